@@ -1,0 +1,177 @@
+"""The model work of one engine: prefill, and one speculative step (draft, build, verify, accept, commit).
+
+``ModelRunner`` owns the target, the drafter and both paged KV caches. AR, chain and DDTree are the
+same step with different trees: a root alone, a single path, or the best-first tree. Only the small
+per-sequence results (accepted tokens) come back to the host, once per step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kdray.config import SpecConfig
+from kdray.engine.sequence import Sequence
+from kdray.kernels.kv_compact import kv_compact
+from kdray.kernels.tree_accept import tree_accept
+from kdray.kernels.tree_build import DraftTree, tree_build
+from kdray.model.batch import ForwardBatch, pack_bits
+from kdray.model.dflash import DFlashDrafter
+from kdray.spec.sampling import RowParams, choose_tokens
+
+
+@dataclass
+class StepResult:
+    tokens: list[list[int]]  # per sequence: accepted draft tokens, then the next bonus
+    seconds: dict[str, float]  # per stage, for the whole batch
+
+
+class _Stages:
+    """Wall time per stage; on a GPU it synchronises at stage ends when ``sync`` is set."""
+
+    def __init__(self, sync: bool):
+        self.sync, self.seconds, self._t = sync, {}, time.perf_counter()
+
+    def end(self, name: str):
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+
+def root_only_tree(roots: torch.Tensor) -> DraftTree:
+    """The tree of autoregressive decoding: the bonus token alone. roots ``[B]``."""
+    B, dev = roots.shape[0], roots.device
+    return DraftTree(tokens=roots[:, None].clone(), parents=torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+                     depths=torch.zeros(B, 1, dtype=torch.int32, device=dev),
+                     num_nodes=torch.ones(B, dtype=torch.int32, device=dev),
+                     mask=torch.ones(B, 1, 1, dtype=torch.int32, device=dev))
+
+
+class ModelRunner:
+    def __init__(self, target, drafter: DFlashDrafter | None, spec: SpecConfig, num_pages: int, page_size: int,
+                 device: torch.device, profile_stages: bool = True):
+        self.target, self.drafter, self.spec = target, drafter, spec
+        self.device, self.page_size = torch.device(device), page_size
+        self.profile_stages = profile_stages and self.device.type == "cuda"
+        m = target.model
+        self.kv = torch.zeros(m.cfg.num_hidden_layers, num_pages, page_size, *m.kv_row_shape, dtype=m.dtype,
+                              device=device)  # [layers, P, S, *row]
+        self.aux_ids: tuple[int, ...] = ()
+        if drafter is not None and spec.mode != "ar":
+            self.draft_kv = torch.zeros(drafter.cfg.num_hidden_layers, num_pages, page_size, *drafter.kv_row_shape,
+                                        dtype=drafter.dtype, device=device)  # [d_layers, P, S, 2, Hkv, D]
+            self.aux_ids = drafter.cfg.target_layer_ids
+
+    @property
+    def slack_tokens(self) -> int:
+        """Cache positions past the committed length that a step writes (tree slots or the draft block)."""
+        return max(self.spec.nodes + 1, self.spec.depth + 1)
+
+    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.pages) for s in seqs)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)  # [B, max_pages]
+        for i, s in enumerate(seqs):
+            table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        return table.to(self.device)
+
+    def _row_params(self, seqs: list[Sequence], counts: list[int]) -> RowParams:
+        rep = lambda vals, dt: torch.tensor(  # noqa: E731
+            [v for v, n in zip(vals, counts) for _ in range(n)], dtype=dt, device=self.device)
+        ps = [s.params for s in seqs]
+        return RowParams(temperature=rep([p.temperature for p in ps], torch.float32),
+                         top_k=rep([p.top_k for p in ps], torch.int64), top_p=rep([p.top_p for p in ps], torch.float32),
+                         seeds=rep([s.seed for s in seqs], torch.int64), all_greedy=all(p.greedy for p in ps))
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Run the prompts, cache their KV, keep the drafter's context features; return the first tokens."""
+        lens = [len(s.prompt_ids) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.prompt_ids], dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        batch = ForwardBatch.build(ids, positions, lens, [0] * len(seqs), self._block_table(seqs), self.page_size,
+                                   None)
+        hidden, aux = self.target.model(batch, self.kv, self.aux_ids)
+        last = batch.cu_q[1:].long() - 1  # [B]
+        first = choose_tokens(self.target.model.logits(hidden[last]), positions[last],
+                              self._row_params(seqs, [1] * len(seqs)))
+        for s, start, n in zip(seqs, batch.cu_q[:-1].tolist(), lens):
+            s.cached_len = n
+            s.features = aux[start:start + n] if aux is not None else None
+        return first.tolist()
+
+    @torch.no_grad()
+    def step(self, seqs: list[Sequence]) -> StepResult:
+        """One speculative step for sequences that all have a bonus token and a cached prefix."""
+        stages = _Stages(self.profile_stages)
+        B = len(seqs)
+        roots = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
+        prefix_host = [s.cached_len for s in seqs]
+        prefix = torch.tensor(prefix_host, dtype=torch.int32, device=self.device)
+        block_table = self._block_table(seqs)
+        if self.spec.mode == "ar":
+            tree = root_only_tree(roots)
+            stages.end("build")
+        else:
+            draft_logits = self._draft(seqs, roots, prefix_host, block_table)  # [B, L, V]
+            stages.end("draft")
+            budgets = torch.full((B,), self.spec.nodes, dtype=torch.int32, device=self.device)
+            tree = tree_build(draft_logits, roots, budgets, self.spec.nodes, self.spec.max_topk)
+            stages.end("build")
+
+        q_lens = tree.num_nodes.tolist()
+        width = tree.tokens.shape[1]
+        valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
+        positions = (prefix[:, None] + tree.depths).long()[valid]  # [T]
+        batch = ForwardBatch.build(tree.tokens[valid], positions, q_lens, prefix_host, block_table, self.page_size,
+                                   tree.mask)
+        hidden, aux = self.target.model(batch, self.kv, self.aux_ids)
+        logits = self.target.model.logits(hidden)  # [T, V]
+        stages.end("verify")
+
+        flat_choice = choose_tokens(logits, positions, self._row_params(seqs, q_lens))  # [T]
+        choices = torch.full_like(tree.tokens, -1).masked_scatter(valid, flat_choice)  # [B, 1+N]
+        accepted, accept_len, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes, choices,
+                                                       self.spec.depth)
+        stages.end("accept")
+
+        kv_compact(self.kv, block_table, prefix, accepted, accept_len)
+        kept = accepted.clamp(min=0).long()  # [B, 1+L]
+        tokens = tree.tokens.gather(1, kept)  # [B, 1+L]
+        rows = batch.cu_q[:-1, None].long() + kept  # [B, 1+L] rows of this pass
+        lens, tokens, nxt = accept_len.tolist(), tokens.tolist(), next_token.tolist()
+        for i, s in enumerate(seqs):
+            n = lens[i]
+            s.cached_len += n
+            if aux is not None:
+                s.features = aux[rows[i, :n]]
+        stages.end("commit")
+        return StepResult([tokens[i][1:lens[i]] + [nxt[i]] for i in range(B)], stages.seconds)
+
+    def _draft(self, seqs: list[Sequence], roots: torch.Tensor, prefix_host: list[int],
+               block_table: torch.Tensor) -> torch.Tensor:
+        """Feed pending context features to the drafter, then run ``[bonus, MASK x L]`` -> logits ``[B, L, V]``."""
+        d, blk = self.drafter, self.spec.block_size
+        ctx_lens = [s.cached_len - s.drafted_len for s in seqs]
+        if sum(ctx_lens):
+            cu = torch.tensor([0] + ctx_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.device)
+            start = torch.tensor([s.drafted_len for s in seqs], dtype=torch.int32, device=self.device)
+            positions = torch.cat([torch.arange(s.drafted_len, s.cached_len) for s in seqs]).to(self.device)
+            slots = ForwardBatch.slots(block_table, start, cu, self.page_size, sum(ctx_lens))
+            d.add_context(torch.cat([s.features for s in seqs if s.features is not None]), positions, slots,
+                          self.draft_kv)
+        for s in seqs:
+            s.drafted_len, s.features = s.cached_len, None
+        B = len(seqs)
+        tokens = torch.full((B, blk), d.cfg.mask_token_id, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = roots
+        positions = (torch.tensor(prefix_host, device=self.device)[:, None]
+                     + torch.arange(blk, device=self.device)[None, :]).reshape(-1)
+        see_all = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=self.device)).expand(B, blk, -1)
+        batch = ForwardBatch.build(tokens.reshape(-1), positions, [blk] * B, prefix_host, block_table,
+                                   self.page_size, see_all.contiguous())
+        hidden = d(self.target.model.embed_tokens(tokens.reshape(-1)), batch, self.draft_kv)  # [B*blk, H]
+        hidden = hidden.view(B, blk, -1)[:, 1:].reshape(B * (blk - 1), -1).to(self.target.model.dtype)
+        return self.target.model.logits(hidden).view(B, blk - 1, -1)

@@ -1,0 +1,608 @@
+// Tree-verify attention kernels; the contract and the torch reference are in
+// kdray/kernels/tree_verify_attention.py.
+//
+// tva_mma_*  bf16 tensor-core kernels. One CTA owns 64 rows ((query, head) pairs of one sequence and
+//            one KV head) and one split of that sequence's key range. Q stays in shared memory; the key
+//            (and value) tiles of 64 cache rows stream through a 2-stage cp.async ring. Every tile is
+//            stored as [64-column chunk][row][128 bytes] with the 128B swizzle (16-byte chunk c of row r
+//            at c ^ (r % 8)), which is both conflict-free for ldmatrix and the canonical layout of the
+//            wgmma descriptors. Warpgroup 0 computes S = Q K^T (64 x 64) and the online softmax; each of
+//            the NWG warpgroups accumulates O for DV / NWG value columns, P and the rescale factors
+//            reaching the other warpgroup through shared memory. Products: wgmma on sm_90a, mma.sync
+//            m16n8k16 elsewhere or with TVA_MMA_SYNC defined; both share every layout.
+// tva_combine  merges the split-K partials (flash-decoding): out = sum_s w_s O_s / sum_s w_s.
+// tva_simt_*  any head dims, fp32 or bf16: one CTA per row on the CUDA cores (correctness fallback).
+#include <cuda_bf16.h>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TVA_MMA_SYNC)
+#define TVA_WGMMA 1
+#endif
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+constexpr int BM = 64;  // rows per CTA
+constexpr int BN = 64;  // keys per tile
+
+// ---------------------------------------------------------------------------------------------------
+// Batch bookkeeping shared by all kernels.
+
+// Key tiles [begin, end) of `split` when a sequence's n_keys are cut into n_splits near-equal runs.
+__device__ __forceinline__ void split_range(int n_keys, int n_splits, int split, int& begin, int& end) {
+  const int nb = (n_keys + BN - 1) / BN, per = max(1, (nb + n_splits - 1) / n_splits);
+  begin = split * per;
+  end = min(begin + per, nb);
+}
+
+// Sequence holding query row t (largest b with cu_q[b] <= t), or -1 past the last sequence.
+__device__ __forceinline__ int seq_of(const int* cu_q, int B, int t) {
+  if (t >= cu_q[B]) return -1;
+  int lo = 0, hi = B - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu_q[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// CTA index -> (sequence b, 64-row tile within it); sequence b has ceil(q_len * G / 64) tiles.
+// Each warp scans cu_q 32 sequences at a time, so every thread gets the same answer.
+__device__ __forceinline__ bool find_tile(const int* cu_q, int B, int G, int index, int& b, int& tile) {
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  for (int b0 = 0; b0 < B; b0 += 32) {
+    const int n = b0 + lane < B ? ((cu_q[b0 + lane + 1] - cu_q[b0 + lane]) * G + BM - 1) / BM : 0;
+    int incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int total = __shfl_sync(0xffffffffu, incl, 31);
+    if (index < base + total) {
+      const int hit = __ffs(__ballot_sync(0xffffffffu, base + incl > index)) - 1;
+      b = b0 + hit;
+      tile = index - base - __shfl_sync(0xffffffffu, incl - n, hit);
+      return true;
+    }
+    base += total;
+  }
+  return false;
+}
+
+// Does query row `mrow` (its tree_mask words) see cache position prefix + jj? (jj < 0: the prefix.)
+__device__ __forceinline__ bool visible(const int* mrow, int jj, int tree_n) {
+  return jj < 0 || (jj < tree_n && ((__ldg(mrow + (jj >> 5)) >> (jj & 31)) & 1));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Shared-memory and tensor-core primitives.
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Byte offset of 16-byte chunk c of row r in a 64-row tile stored as [c / 8][row][128 B], 128B swizzle.
+__device__ __forceinline__ u32 swz(int r, int c) { return ((c >> 3) << 13) + (r << 7) + (((c ^ r) & 7) << 4); }
+
+// 16-byte global -> shared copy; zero-fills the destination when !valid.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&v);
+}
+
+#ifdef TVA_WGMMA
+// wgmma shared-memory descriptor: 128B swizzle, offsets in bytes (encoded >> 4).
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma window.
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d[32] (+)= A[64x16] B[16x64]: both operands K-major in 128B-swizzled shared memory.
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d[32] += A[64x16] (registers) B[16x64] (MN-major, 128B-swizzled shared memory).
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d[64] += A[64x16] (registers) B[16x128] (MN-major, 128B-swizzled shared memory).
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d[128] += A[64x16] (registers) B[16x256] (MN-major, 128B-swizzled shared memory).
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+      "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+      "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+      "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+      "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+      "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+      "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+      "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+      "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#else
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// d[4] += A[16x16] B[16x8], bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma16816(float* d, const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
+// Accumulator layout (wgmma m64nN and mma.sync alike): warp w of a warpgroup owns rows 16w + g and
+// 16w + g + 8 (g = lane / 4); d[4j + e] is column 8j + 2(lane % 4) + (e & 1) of row 16w + g + 8(e >> 1).
+
+// s[32] = Q K^T for this warp's 16 rows x the 64 keys of the tile (warpgroup 0 calls it).
+template <int DK>
+__device__ __forceinline__ void qk_tile(float (&s)[32], u32 sQ, u32 sK, int wq, int lane) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0.f;
+#ifdef TVA_WGMMA
+  (void)wq; (void)lane;
+  wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < DK / 16; ++ks) {
+    const u32 off = (ks >> 2) * 8192 + (ks & 3) * 32;  // 64-column chunk, then 16 columns inside it
+    wgmma_ss_n64(s, wg_desc(sQ + off, 16, 1024), wg_desc(sK + off, 16, 1024), ks > 0);
+  }
+  wg_commit();
+  wg_wait_all();
+  wg_pin(s);
+#else
+#pragma unroll
+  for (int ks = 0; ks < DK / 16; ++ks) {
+    u32 a[4];
+    ldsm_x4(a, sQ + swz(16 * wq + (lane & 15), 2 * ks + (lane >> 4)));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      u32 bk[4];
+      ldsm_x4(bk, sK + swz(16 * jj + ((lane >> 4) << 3) + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+      mma16816(s + 8 * jj, a, bk[0], bk[1]);
+      mma16816(s + 8 * jj + 4, a, bk[2], bk[3]);
+    }
+  }
+#endif
+}
+
+// o[NW / 2] += P V[:, c0 : c0 + NW] for this warp's 16 rows; p[ks] holds keys 16ks..16ks+15 as A fragments.
+template <int NW>
+__device__ __forceinline__ void pv_tile(float (&o)[NW / 2], const u32 (&p)[4][4], u32 sV, int c0, int lane) {
+#ifdef TVA_WGMMA
+  (void)lane;
+  wg_pin(o);
+  wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)  // 16 keys = two 8-row groups (SBO); 64 value columns per chunk (LBO)
+    wgmma_rs(o, p[ks], wg_desc(sV + (c0 / 64) * 8192 + ks * 2048, 8192, 1024));
+  wg_commit();
+  wg_wait_all();
+  wg_pin(o);
+#else
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int jj = 0; jj < NW / 16; ++jj) {
+      u32 bv[4];
+      ldsm_x4_t(bv, sV + swz(16 * ks + ((lane >> 3) & 1) * 8 + (lane & 7), c0 / 8 + 2 * jj + (lane >> 4)));
+      mma16816(o + 8 * jj, p[ks], bv[0], bv[1]);
+      mma16816(o + 8 * jj + 4, p[ks], bv[2], bv[3]);
+    }
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The tensor-core kernel body. Shared memory (bytes; the host computes the same sum):
+//   Q [BM x DK] | 2 stages of (K [BN x DK], V [BN x DV] unless V_IN_K) | NWG > 1: P 8 KiB, factors 1 KiB.
+template <int DK, int DV, bool V_IN_K, int NWG>
+struct MmaCfg {
+  static constexpr int DVW = DV / NWG, TPR = 128 / BN;  // TPR: loader threads per row
+  static constexpr int Q_BYTES = BM * DK * 2, K_BYTES = BN * DK * 2;
+  static constexpr int STAGE_BYTES = K_BYTES + (V_IN_K ? 0 : BN * DV * 2);
+  static constexpr int X_OFF = Q_BYTES + 2 * STAGE_BYTES;
+  static_assert(DK % 64 == 0 && DVW % 64 == 0 && (!V_IN_K || DV <= DK), "unsupported head dims");
+};
+
+template <int DK, int DV, bool V_IN_K, int NWG>
+__device__ __forceinline__ void tva_mma_body(
+    const bf16* __restrict__ q, const bf16* __restrict__ kv, const int* __restrict__ block_table,
+    const int* __restrict__ prefix_lens, const int* __restrict__ cu_q, const int* __restrict__ tree_mask,
+    bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int B, int T, int Hq, int Hkv,
+    int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2, int n_splits) {
+  using C = MmaCfg<DK, DV, V_IN_K, NWG>;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
+  const int G = Hq / Hkv, kvh = blockIdx.z, split = blockIdx.y;
+  int b, tile;
+  if (!find_tile(cu_q, B, G, blockIdx.x, b, tile)) return;
+  const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, prefix = prefix_lens[b], n_keys = prefix + q_len;
+  int kb, kb_end;
+  split_range(n_keys, n_splits, split, kb, kb_end);
+  if (kb >= kb_end) return;
+
+  // The last warpgroup issues every copy (with NWG > 1 it would otherwise idle while warpgroup 0
+  // computes S); TPR consecutive threads copy one row's 16-byte chunks.
+  const bool loader = wg == NWG - 1;
+  const int lr = (tid & 127) / C::TPR, sub = tid % C::TPR;
+  const u32 sQ = smem_u32(smem), sKV = sQ + C::Q_BYTES;
+  if (loader) {
+    const int gr = tile * BM + lr, i = gr / G;
+    const bool ok = i < q_len;
+    const bf16* src = q + ((long long)(q0 + (ok ? i : 0)) * Hq + kvh * G + gr % G) * DK;
+    for (int c = sub; c < DK / 8; c += C::TPR) cp_async16(sQ + swz(lr, c), src + c * 8, ok);
+  }
+  const int* bt = block_table + (long long)b * max_pages;
+  const int page_mask = (1 << page_shift) - 1;
+  auto page_of = [&](int blk) {
+    const int p = blk * BN + lr;
+    return p < n_keys ? __ldg(bt + (p >> page_shift)) : 0;
+  };
+  auto load_kv = [&](int blk, int stage, int page) {
+    const int p = blk * BN + lr;
+    const bool ok = p < n_keys;
+    const bf16* row = kv + (((long long)page << page_shift) + (p & page_mask)) * row_stride;
+    const u32 dst = sKV + stage * C::STAGE_BYTES;
+    for (int c = sub; c < DK / 8; c += C::TPR) cp_async16(dst + swz(lr, c), row + kvh * DK + c * 8, ok);
+    if (!V_IN_K)
+      for (int c = sub; c < DV / 8; c += C::TPR)
+        cp_async16(dst + C::K_BYTES + swz(lr, c), row + v_off + kvh * DV + c * 8, ok);
+  };
+  int page_next = 0;
+  if (loader) {
+    load_kv(kb, 0, page_of(kb));
+    page_next = page_of(kb + 1);
+  }
+  cp_async_commit();
+
+  // This thread's two rows: the query each one belongs to (clamped for padding rows) and its mask row.
+  const int g = lane >> 2, t4 = lane & 3, r0 = 16 * wq + g;
+  const int tree_n = min(q_len, Qmax);
+  const int* mrow[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int i = min((tile * BM + r0 + 8 * e) / G, tree_n - 1);
+    mrow[e] = tree_mask + ((long long)b * Qmax + i) * W;
+  }
+  const int c0 = wg * C::DVW;  // this warpgroup's first value column
+  u32* p_x = reinterpret_cast<u32*>(smem + C::X_OFF);                // [16][128] P fragments
+  float* f_x = reinterpret_cast<float*>(smem + C::X_OFF + 128 * 16 * 4);  // [2][128] row factors
+
+  float o[C::DVW / 2];
+#pragma unroll
+  for (int i = 0; i < C::DVW / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  for (int n = 0; kb < kb_end; ++n, ++kb) {
+    const int st = n & 1;
+    cp_async_wait_all();
+#ifdef TVA_WGMMA
+    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+#endif
+    __syncthreads();  // tile kb visible; everyone is done with tile kb - 1, whose stage is refilled next
+    if (loader && kb + 1 < kb_end) {
+      load_kv(kb + 1, st ^ 1, page_next);
+      page_next = page_of(kb + 2);
+    }
+    cp_async_commit();
+    const u32 sK = sKV + st * C::STAGE_BYTES, sV = V_IN_K ? sK : sK + C::K_BYTES;
+
+    u32 p[4][4];
+    float alpha[2];
+    if (wg == 0) {
+      float s[32];
+      qk_tile<DK>(s, sQ, sK, wq, lane);
+      if ((kb + 1) * BN > prefix) {  // the tile reaches the tree (or past the last key): apply the mask
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!visible(mrow[e >> 1], kb * BN + 8 * j + 2 * t4 + (e & 1) - prefix, tree_n)) s[4 * j + e] = -INFINITY;
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+        const float m_new = fmaxf(m[e], mx[e] * scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet: keep exp2 finite
+        alpha[e] = exp2f(m[e] - m_use);
+        m[e] = m_new;
+        mx[e] = m_use;
+      }
+      float sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int e = (i >> 1) & 1;
+        s[i] = exp2f(fmaf(s[i], scale_log2, -mx[e]));
+        sum[e] += s[i];
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l[e] = l[e] * alpha[e] + sum[e];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        p[ks][0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
+        p[ks][1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
+        p[ks][2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
+        p[ks][3] = pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
+      }
+      if (NWG > 1) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) p_x[i * 128 + tid] = p[i >> 2][i & 3];
+        f_x[tid] = alpha[0];
+        f_x[128 + tid] = alpha[1];
+      }
+    }
+    if (NWG > 1) {
+      __syncthreads();  // P of tile kb ready for the other warpgroups
+      if (wg != 0) {
+        const int x = tid & 127;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) p[i >> 2][i & 3] = p_x[i * 128 + x];
+        alpha[0] = f_x[x];
+        alpha[1] = f_x[128 + x];
+      }
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // most tiles leave the maxima alone
+#pragma unroll
+      for (int i = 0; i < C::DVW / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+    pv_tile<C::DVW>(o, p, sV, c0, lane);
+  }
+
+  // Row sums: quad-reduce in warpgroup 0, then hand them to the others.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+  }
+  if (NWG > 1) {
+    __syncthreads();  // the other warpgroups have read the last factors
+    if (wg == 0) {
+      f_x[tid] = l[0];
+      f_x[128 + tid] = l[1];
+    }
+    __syncthreads();
+    if (wg != 0) {
+      l[0] = f_x[tid & 127];
+      l[1] = f_x[128 + (tid & 127)];
+    }
+  }
+
+  const long long rows_total = (long long)T * Hq;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int gr = tile * BM + r0 + 8 * e, i = gr / G;
+    if (i >= q_len) continue;
+    const long long row = (long long)(q0 + i) * Hq + kvh * G + gr % G;
+    const int col = c0 + 2 * t4;
+    if (n_splits == 1) {
+      const float inv = 1.f / l[e];
+      bf16* dst = out + row * DV + col;
+#pragma unroll
+      for (int j = 0; j < C::DVW / 8; ++j)
+        *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
+    } else {
+      const float inv = l[e] > 0.f ? 1.f / l[e] : 0.f;  // a split may hold no key this row sees
+      bf16* dst = ws_o + ((long long)split * rows_total + row) * DV + col;
+#pragma unroll
+      for (int j = 0; j < C::DVW / 8; ++j)
+        *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
+      if (wg == 0 && t4 == 0) ws_ml[split * rows_total + row] = make_float2(m[e], l[e]);
+    }
+  }
+}
+
+#define TVA_MMA_ARGS                                                                                        \
+  const bf16 *q, const bf16 *kv, const int *block_table, const int *prefix_lens, const int *cu_q,            \
+      const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int B, int T, int Hq, int Hkv,             \
+      int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2, int n_splits
+#define TVA_MMA_PASS                                                                                        \
+  q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, B, T, Hq, Hkv, page_shift, max_pages, \
+      Qmax, W, row_stride, v_off, scale_log2, n_splits
+
+// MLA latent (576-dim keys, values = their first 512 columns, one KV head).
+extern "C" __global__ void __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
+  tva_mma_body<576, 512, true, 2>(TVA_MMA_PASS);
+}
+// GQA, head dim 64 / 128 (keys and values are separate cache columns).
+extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa64(TVA_MMA_ARGS) {
+  tva_mma_body<64, 64, false, 1>(TVA_MMA_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa128(TVA_MMA_ARGS) {
+  tva_mma_body<128, 128, false, 1>(TVA_MMA_PASS);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Split-K combine: one warp per (output row, 128 value columns), four columns a lane. Partials:
+// ws_o [n_splits, T*Hq, DV] bf16 (each normalised by its own row sum), ws_ml [n_splits, T*Hq] =
+// (running max in log2 units, row sum); only the splits holding key tiles of the row's sequence count.
+extern "C" __global__ void __launch_bounds__(128) tva_combine(const bf16* __restrict__ ws_o,
+                                                              const float2* __restrict__ ws_ml, bf16* __restrict__ out,
+                                                              const int* __restrict__ cu_q,
+                                                              const int* __restrict__ prefix_lens, int B, int T,
+                                                              int Hq, int DV, int n_splits) {
+  const int lane = threadIdx.x & 31, chunks = (DV + 127) / 128;
+  const long long rows_total = (long long)T * Hq, item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+  const long long row = item / chunks;
+  if (row >= rows_total) return;
+  const int b = seq_of(cu_q, B, (int)(row / Hq));
+  if (b < 0) return;
+  const int nb = (prefix_lens[b] + cu_q[b + 1] - cu_q[b] + BN - 1) / BN;
+  const int per = max(1, (nb + n_splits - 1) / n_splits), used = (nb + per - 1) / per;  // as split_range
+  float mx = -INFINITY;
+  for (int s = lane; s < used; s += 32) mx = fmaxf(mx, ws_ml[s * rows_total + row].x);
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  if (mx == -INFINITY) mx = 0.f;
+  const int d = (int)(item % chunks) * 128 + 4 * lane;
+  if (d >= DV) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+#pragma unroll 8
+  for (int s = 0; s < used; ++s) {  // independent loads: unrolled so that several are in flight
+    const float2 ml = ws_ml[s * rows_total + row];
+    const float w = ml.y * exp2f(ml.x - mx);
+    const uint2 v = *reinterpret_cast<const uint2*>(ws_o + (s * rows_total + row) * DV + d);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+    acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * hi.x; acc[3] += w * hi.y;
+    wsum += w;
+  }
+  const float inv = 1.f / wsum;
+  *reinterpret_cast<uint2*>(out + row * DV + d) = make_uint2(pack_bf16(acc[0] * inv, acc[1] * inv),
+                                                             pack_bf16(acc[2] * inv, acc[3] * inv));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// CUDA-core fallback: one CTA (4 warps) per output row; warp w takes keys w, w + 4, ...; DV <= 512.
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void from_f(float* p, float v) { *p = v; }
+__device__ __forceinline__ void from_f(bf16* p, float v) { *p = __float2bfloat16(v); }
+
+template <typename T_>
+__device__ __forceinline__ void tva_simt_body(const T_* __restrict__ q, const T_* __restrict__ kv,
+                                              const int* __restrict__ block_table,
+                                              const int* __restrict__ prefix_lens, const int* __restrict__ cu_q,
+                                              const int* __restrict__ tree_mask, T_* __restrict__ out, int B,
+                                              int Hq, int Hkv, int DK, int DV, int page_shift, int max_pages,
+                                              int Qmax, int W, int row_stride, int v_off, float scale_log2) {
+  extern __shared__ float fsm[];  // q row [DK] | per warp: m, l, o[DV]
+  const int row = blockIdx.x, t = row / Hq, h = row % Hq, kvh = h / (Hq / Hkv);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int b = seq_of(cu_q, B, t);
+  if (b < 0) return;
+  const int q_len = cu_q[b + 1] - cu_q[b], i = t - cu_q[b], prefix = prefix_lens[b];
+  const int tree_n = min(q_len, Qmax);
+  const int* mrow = tree_mask + ((long long)b * Qmax + min(i, Qmax - 1)) * W;
+  const int* bt = block_table + (long long)b * max_pages;
+  for (int d = threadIdx.x; d < DK; d += blockDim.x) fsm[d] = to_f(q[(long long)row * DK + d]);
+  __syncthreads();
+
+  float m = -INFINITY, l = 0.f, o[16];
+#pragma unroll
+  for (int c = 0; c < 16; ++c) o[c] = 0.f;
+  for (int p = warp; p < prefix + q_len; p += 4) {
+    if (!visible(mrow, p - prefix, tree_n)) continue;
+    const long long cache_row = ((long long)__ldg(bt + (p >> page_shift)) << page_shift) + (p & ((1 << page_shift) - 1));
+    const T_* base = kv + cache_row * row_stride;
+    float dot = 0.f;
+    for (int d = lane; d < DK; d += 32) dot += fsm[d] * to_f(base[kvh * DK + d]);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, x);
+    const float s = dot * scale_log2, m_new = fmaxf(m, s), alpha = exp2f(m - m_new), pe = exp2f(s - m_new);
+    l = l * alpha + pe;
+    m = m_new;
+#pragma unroll
+    for (int c = 0; c < 16; ++c)
+      if (lane + 32 * c < DV) o[c] = o[c] * alpha + pe * to_f(base[v_off + kvh * DV + lane + 32 * c]);
+  }
+  float* wsm = fsm + DK + warp * (DV + 2);
+  if (lane == 0) { wsm[0] = m; wsm[1] = l; }
+#pragma unroll
+  for (int c = 0; c < 16; ++c)
+    if (lane + 32 * c < DV) wsm[2 + lane + 32 * c] = o[c];
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int w = 0; w < 4; ++w) mx = fmaxf(mx, fsm[DK + w * (DV + 2)]);
+  if (mx == -INFINITY) mx = 0.f;
+  for (int d = threadIdx.x; d < DV; d += blockDim.x) {
+    float acc = 0.f, lsum = 0.f;
+    for (int w = 0; w < 4; ++w) {
+      const float* part = fsm + DK + w * (DV + 2);
+      const float f = exp2f(part[0] - mx);
+      acc += f * part[2 + d];
+      lsum += f * part[1];
+    }
+    from_f(out + (long long)row * DV + d, acc / lsum);
+  }
+}
+
+#define TVA_SIMT_ARGS(T_)                                                                                   \
+  const T_ *q, const T_ *kv, const int *block_table, const int *prefix_lens, const int *cu_q,                \
+      const int *tree_mask, T_ *out, int B, int Hq, int Hkv, int DK, int DV, int page_shift, int max_pages, \
+      int Qmax, int W, int row_stride, int v_off, float scale_log2
+#define TVA_SIMT_PASS                                                                                        \
+  q, kv, block_table, prefix_lens, cu_q, tree_mask, out, B, Hq, Hkv, DK, DV, page_shift, max_pages, Qmax, W, \
+      row_stride, v_off, scale_log2
+
+extern "C" __global__ void __launch_bounds__(128) tva_simt_f32(TVA_SIMT_ARGS(float)) {
+  tva_simt_body<float>(TVA_SIMT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) tva_simt_bf16(TVA_SIMT_ARGS(bf16)) {
+  tva_simt_body<bf16>(TVA_SIMT_PASS);
+}

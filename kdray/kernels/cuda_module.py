@@ -1,0 +1,65 @@
+"""Compile-once loader for the CUDA sources in ``kernels/cuda`` and launches on torch's current stream.
+
+Kernels are compiled by CuPy (NVRTC) the first time an op needs them and cached per (file, arch).
+Launches go to ``torch.cuda.current_stream()``, so they order with torch work and can be captured
+in a CUDA graph; nothing here synchronises the host or allocates device memory.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+CUDA_DIR = Path(__file__).parent / "cuda"
+
+
+def cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def _arch(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    # sm_90a unlocks Hopper-only instructions (wgmma, TMA); everything else builds for its own arch.
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+@functools.cache
+def load_module(name: str, device_index: int = 0, defines: tuple[tuple[str, int], ...] = ()):
+    """Compile ``kernels/cuda/<name>.cu`` for the device's architecture and return the ``cupy.RawModule``."""
+    import cupy
+
+    src_path = CUDA_DIR / f"{name}.cu"
+    if not src_path.is_file():
+        raise FileNotFoundError(f"CUDA source {src_path} is missing from the kdray package")
+    options = ("-std=c++17", f"-arch={_arch(device_index)}", "--use_fast_math", f"-I{CUDA_DIR}") + tuple(
+        f"-D{k}={v}" for k, v in defines)
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=src_path.read_text(), options=options)
+        module.compile()
+    return module
+
+
+def launch(name: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+           shared_mem: int = 0, device: torch.device | None = None, defines: tuple[tuple[str, int], ...] = ()):
+    """Launch ``kernel`` from ``kernels/cuda/<name>.cu`` on torch's current stream.
+
+    ``args`` may hold torch tensors (passed as device pointers) and Python / NumPy scalars typed by
+    the caller (``numpy.int32(...)`` etc.).
+    """
+    import cupy
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = load_module(name, index, defines).get_function(kernel)
+    if shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
+        fn(grid, block, ptr_args, shared_mem=shared_mem)

@@ -1,0 +1,216 @@
+"""Tree-verify attention: each sequence's queries over its paged prefix plus the tree's own keys.
+
+Shared contract of both forms (one call covers a whole batch of sequences):
+
+- ``cu_q [B+1]`` int32: the queries of sequence ``b`` are rows ``cu_q[b]:cu_q[b+1]`` of ``q``.
+- ``prefix_lens [B]`` int32: cache positions ``0 .. prefix_lens[b]-1`` hold the committed prefix and
+  are visible to every query of the sequence.
+- The key/value of query ``i`` (local index) is already written at cache position
+  ``prefix_lens[b] + i``; cache position ``p`` lives at page ``block_table[b, p // S]``, row ``p % S``.
+- ``tree_mask [B, Qmax, W]`` int32: bit ``j % 32`` of word ``j // 32`` of row ``i`` says that query ``i``
+  sees the tree token ``j`` (its ancestors and itself).
+
+MLA latent form (absorbed DeepSeek-V3 attention, one KV head):
+``q [T, H, Dk]`` (``Dk`` = kv_lora_rank + rope dims, 576 for K2), ``kv_cache [P, S, Dk]``; keys are the
+whole cached row, values its first ``Dv`` = kv_lora_rank entries; output ``[T, H, Dv]``.
+
+GQA form (Llama family): ``q [T, Hq, D]``, ``kv_cache [P, S, 2, Hkv, D]`` (keys then values);
+output ``[T, Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
+
+CUDA tensors run the kernels in ``cuda/tree_verify_attention.cu`` (tensor cores for bf16 with the head dims
+in ``_MMA``, a CUDA-core fallback for fp32 and other dims); no host sync, one allocation (the output), so a
+verify step can be captured in a CUDA graph. CPU tensors run the torch reference below.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _visible(tree_mask_b: torch.Tensor, prefix: int, q_len: int) -> torch.Tensor:
+    """``[q_len, prefix + q_len]`` bool visibility of cache positions for one sequence."""
+    j = torch.arange(q_len, device=tree_mask_b.device)
+    words = tree_mask_b[:q_len, j // 32]  # [q_len, q_len]
+    tree = ((words >> (j % 32).to(words.dtype)) & 1).bool()
+    return torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=tree.device), tree], dim=1)
+
+
+def _gather_rows(cache: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows ``0..n-1`` of one sequence from a paged ``[P, S, ...]`` cache -> ``[n, ...]``."""
+    page_size = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    return cache[pages[pos // page_size].long(), pos % page_size]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q ``[Q, Hkv, G, Dk]``, k ``[K, Hkv, Dk]``, v ``[K, Hkv, Dv]``, visible ``[Q, K]`` -> ``[Q, Hkv, G, Dv]`` (fp32)."""
+    scores = torch.einsum("qhgd,khd->hgqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hgqk,khd->qhgd", scores.softmax(-1), v.float())
+
+
+def _check(q, block_table, prefix_lens, cu_q, tree_mask):
+    B = prefix_lens.shape[0]
+    if cu_q.shape != (B + 1,) or block_table.shape[0] != B or tree_mask.shape[0] != B:
+        raise ValueError(f"batch mismatch: prefix_lens {tuple(prefix_lens.shape)}, cu_q {tuple(cu_q.shape)}, "
+                         f"block_table {tuple(block_table.shape)}, tree_mask {tuple(tree_mask.shape)}")
+    if tree_mask.dtype != torch.int32 or tree_mask.shape[2] * 32 < tree_mask.shape[1]:
+        raise ValueError(f"tree_mask must be int32 [B, Qmax, ceil(Qmax/32)], got {tree_mask.dtype} "
+                         f"{tuple(tree_mask.shape)}")
+
+
+def tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, kv_split):
+    """Plain torch reference for both forms; ``kv_split(rows) -> (k [n, Hkv, Dk], v [n, Hkv, Dv])``."""
+    outs = []
+    cu = cu_q.tolist()
+    prefixes = prefix_lens.tolist()
+    for b in range(len(prefixes)):
+        q_len, prefix = cu[b + 1] - cu[b], prefixes[b]
+        if q_len == 0:
+            continue
+        k, v = kv_split(_gather_rows(kv_cache, block_table[b], prefix + q_len))
+        qb = q[cu[b]:cu[b + 1]]
+        qb = qb.reshape(q_len, k.shape[1], qb.shape[1] // k.shape[1], qb.shape[2])
+        out = _attend(qb, k, v, _visible(tree_mask[b], prefix, q_len), scale)
+        outs.append(out.reshape(q_len, -1, v.shape[-1]))
+    return torch.cat(outs).to(q.dtype) if outs else q.new_empty(0, q.shape[1], 0)
+
+
+def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       prefix_lens: torch.Tensor, cu_q: torch.Tensor, tree_mask: torch.Tensor,
+                       scale: float, kv_lora_rank: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA latent tree attention: q ``[T, H, Dk]``, kv_cache ``[P, S, Dk]`` -> ``[T, H, kv_lora_rank]``.
+
+    ``out`` (CUDA only, optional): a contiguous ``[T, H, kv_lora_rank]`` tensor of q's dtype to write into.
+    """
+    _check(q, block_table, prefix_lens, cu_q, tree_mask)
+    if q.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"q head dim {q.shape[-1]} != cached row {kv_cache.shape[-1]}")
+    if q.is_cuda:
+        if kv_cache.dim() != 3 or not 0 < kv_lora_rank <= kv_cache.shape[-1]:
+            raise ValueError(f"kv_cache must be [P, S, Dk] with kv_lora_rank <= Dk, got {tuple(kv_cache.shape)} "
+                             f"and kv_lora_rank={kv_lora_rank}")
+        return _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, kv_heads=1,
+                                    dv=kv_lora_rank, row_stride=kv_cache.shape[-1], v_off=0, out=out)
+    split = lambda rows: (rows.unsqueeze(1), rows[:, None, :kv_lora_rank])  # noqa: E731
+    return tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, split)
+
+
+def gqa_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       prefix_lens: torch.Tensor, cu_q: torch.Tensor, tree_mask: torch.Tensor,
+                       scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GQA tree attention: q ``[T, Hq, D]``, kv_cache ``[P, S, 2, Hkv, D]`` -> ``[T, Hq, D]``.
+
+    ``out`` (CUDA only, optional): a contiguous ``[T, Hq, D]`` tensor of q's dtype to write into.
+    """
+    _check(q, block_table, prefix_lens, cu_q, tree_mask)
+    if q.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
+    if q.is_cuda:
+        if kv_cache.dim() != 5 or kv_cache.shape[2] != 2 or kv_cache.shape[4] != q.shape[2]:
+            raise ValueError(f"kv_cache must be [P, S, 2, Hkv, {q.shape[2]}], got {tuple(kv_cache.shape)}")
+        hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+        return _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, kv_heads=hkv,
+                                    dv=d, row_stride=2 * hkv * d, v_off=hkv * d, out=out)
+    split = lambda rows: (rows[:, 0], rows[:, 1])  # noqa: E731
+    return tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, split)
+
+
+# --- CUDA launch (kernels in cuda/tree_verify_attention.cu) -------------------------------------------------
+#
+# bf16 with a head-dim pair below runs the tensor-core kernel: grid (64-row tiles, key splits, KV heads); a
+# sequence's ceil(q_len * G / 64) tiles are numbered consecutively, so q.shape[0] * G // 64 + B tiles always
+# suffice and the surplus CTAs return at once. When that leaves SMs idle, the key range is cut into
+# n_splits runs whose normalised partials (bf16 [n_splits, T*Hq, Dv] plus fp32 (max, sum) pairs) tva_combine
+# merges; the partials share the output's single allocation. Everything else (fp32; other head dims) runs
+# the CUDA-core kernel tva_simt_*, one CTA per output row.
+
+_MODULE = "tree_verify_attention"
+_TILE = 64  # rows per CTA and keys per tile (BM, BN in the .cu)
+_MMA = {  # (Dk, Dv, values inside the key row) -> (kernel, warpgroups, CTAs that fit on one SM)
+    (576, 512, True): ("tva_mma_mla576", 2, 1),
+    (64, 64, False): ("tva_mma_gqa64", 1, 4),
+    (128, 128, False): ("tva_mma_gqa128", 1, 2),
+}
+
+
+def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
+    """Dynamic shared memory of tva_mma_*: Q tile, two K(/V) stages, P + factor exchange (MmaCfg in the .cu)."""
+    stage = _TILE * dk * 2 + (0 if v_in_k else _TILE * dv * 2)
+    return _TILE * dk * 2 + 2 * stage + (128 * 16 * 4 + 128 * 2 * 4 if warpgroups > 1 else 0)
+
+
+def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
+    """Key splits so that ``tiles`` CTAs fill the ``slots`` (SMs x CTAs per SM) about once, at most one per key tile."""
+    return max(1, min(slots // max(tiles, 1), key_tiles))
+
+
+def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, *, kv_heads, dv,
+                         row_stride, v_off, out=None, mma_sync=False):
+    """Check and launch one batch on q's device and torch's current stream; ``mma_sync`` forces the sm_80 path."""
+    import numpy as np
+
+    from kdray.kernels.cuda_module import launch
+
+    T, hq, dk = q.shape
+    B, max_pages = block_table.shape
+    page_size = kv_cache.shape[1]
+    dev = q.device
+    for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("prefix_lens", prefix_lens),
+                    ("cu_q", cu_q), ("tree_mask", tree_mask)) + ((("out", out),) if out is not None else ()):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, q on {dev}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if not q.is_contiguous():
+        raise ValueError("q must be contiguous")
+    if q.dtype not in (torch.bfloat16, torch.float32) or kv_cache.dtype != q.dtype:
+        raise TypeError(f"q and kv_cache must both be bfloat16 or float32, got {q.dtype} and {kv_cache.dtype}")
+    for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens), ("cu_q", cu_q)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"page size {page_size} is not a power of two")
+    if out is not None and (out.shape != (T, hq, dv) or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.dtype} [{T}, {hq}, {dv}], got {out.dtype} {tuple(out.shape)}")
+    mma = _MMA.get((dk, dv, v_off == 0)) if q.dtype == torch.bfloat16 else None
+    if mma is None and dv > 512:
+        raise ValueError(f"value head dim {dv} > 512 is not supported by the CUDA-core kernel")
+    if mma is not None and (q.data_ptr() % 16 or kv_cache.data_ptr() % 16):
+        raise ValueError("q and kv_cache must be 16-byte aligned for the tensor-core kernel")
+
+    group = hq // kv_heads
+    n_splits = 1
+    if mma is not None:
+        slots = torch.cuda.get_device_properties(dev).multi_processor_count * mma[2]
+        n_splits = _num_splits(kv_heads * -(-T * group // _TILE), -(-max_pages * page_size // _TILE), slots)
+    out_bytes, o_bytes = T * hq * dv * q.element_size(), n_splits * T * hq * dv * 2
+    ws_bytes = o_bytes + n_splits * T * hq * 8 if n_splits > 1 else 0
+    if out is None:
+        buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=dev)
+        out, ws = buf[:out_bytes].view(q.dtype).view(T, hq, dv), buf[out_bytes:]
+    else:
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    if T == 0 or B == 0:
+        return out
+
+    i32 = np.int32
+    shape_args = (i32(B), i32(T), i32(hq), i32(kv_heads))
+    geo_args = (i32(page_size.bit_length() - 1), i32(max_pages), i32(tree_mask.shape[1]), i32(tree_mask.shape[2]),
+                i32(row_stride), i32(v_off), np.float32(scale * 1.4426950408889634))  # scale * log2(e)
+    inputs = (q, kv_cache, block_table, prefix_lens, cu_q, tree_mask)
+    if mma is None:
+        kernel = "tva_simt_f32" if q.dtype == torch.float32 else "tva_simt_bf16"
+        launch(_MODULE, kernel, (T * hq,), (128,), inputs + (out, i32(B), i32(hq), i32(kv_heads), i32(dk), i32(dv))
+               + geo_args, shared_mem=(dk + 4 * (dv + 2)) * 4, device=dev)
+        return out
+    kernel, warpgroups, _ = mma
+    defines = (("TVA_MMA_SYNC", 1),) if mma_sync else ()
+    ws_o, ws_ml = (ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (0, 0)  # 0: null pointers
+    launch(_MODULE, kernel, (T * group // _TILE + B, n_splits, kv_heads), (128 * warpgroups,),
+           inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits),),
+           shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
+    if n_splits > 1:
+        launch(_MODULE, "tva_combine", (-(-T * hq * -(-dv // 128) // 4),), (128,),
+               (ws_o, ws_ml, out, cu_q, prefix_lens, i32(B), i32(T), i32(hq), i32(dv), i32(n_splits)), device=dev,
+               defines=defines)
+    return out

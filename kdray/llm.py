@@ -1,0 +1,127 @@
+"""``LLM``: the offline API (vLLM's shape) over the engine, in-process or on Ray actors."""
+from __future__ import annotations
+
+import sys
+import uuid
+
+import torch
+
+from kdray.config import EngineConfig, ParallelConfig, SpecConfig
+from kdray.engine.engine import Engine
+from kdray.engine.kv_pages import PagePool
+from kdray.engine.request import RequestOutput, SamplingParams
+from kdray.engine.runner import ModelRunner
+from kdray.engine.scheduler import Scheduler
+from kdray.model.dflash import DFlashDrafter
+from kdray.model.loader import load_target, parse_dtype
+
+DEFAULT_MODEL = "k2-tiny"
+KV_BUDGET_BYTES_CPU = 512 << 20
+
+
+def load_drafter(drafter: str | None, target, dtype: torch.dtype, device, block_size: int | None):
+    """None, ``"random"`` (shaped to the target, for tests) or a DFlash checkpoint directory."""
+    if drafter is None:
+        return None
+    if drafter == "random":
+        return DFlashDrafter.random_for(target.config, block_size or 16, dtype, device)
+    d = DFlashDrafter.from_pretrained(drafter, dtype, device)
+    if d.cfg.hidden_size != target.config.hidden_size or d.cfg.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter '{drafter}' (hidden {d.cfg.hidden_size}, vocab {d.cfg.vocab_size}) does not match "
+                         f"the target (hidden {target.config.hidden_size}, vocab {target.config.vocab_size})")
+    if max(d.cfg.target_layer_ids) >= target.config.num_hidden_layers:
+        raise ValueError(f"drafter '{drafter}' reads target layers {list(d.cfg.target_layer_ids)}, but the target has "
+                         f"{target.config.num_hidden_layers}")
+    return d
+
+
+def default_num_pages(model, drafter, page_size: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Pages that fit half the free GPU memory, or a fixed budget on the CPU."""
+    per_token = model.cfg.num_hidden_layers * int(torch.Size(model.kv_row_shape).numel())
+    if drafter is not None:
+        per_token += drafter.cfg.num_hidden_layers * int(torch.Size(drafter.kv_row_shape).numel())
+    per_page = per_token * page_size * torch.finfo(dtype).bits // 8
+    budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else KV_BUDGET_BYTES_CPU
+    return max(16, budget // per_page)
+
+
+class LLM:
+    """Load a target (and a drafter), then ``generate`` completions for batches of prompts."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
+                 drafter: str | None = None, spec: str | None = None, budget: int = 64, block_size: int | None = None,
+                 tp: int = 1, distributed: str = "local", expert_parallel: bool = False, max_num_seqs: int = 32,
+                 max_model_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
+                 max_tokens_per_step: int = 8192):
+        self.parallel = ParallelConfig(tp=tp, expert_parallel=expert_parallel, distributed=distributed)
+        if self.parallel.distributed == "ray":
+            raise ValueError("distributed='ray' is not available yet; use distributed='local' with tp=1")
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA GPU is visible; use device='cpu'")
+        torch_dtype = parse_dtype(dtype)
+        mode = spec or ("ddtree" if drafter else "ar")
+        if mode != "ar" and drafter is None:
+            raise ValueError(f"spec='{mode}' needs a drafter: drafter=<DFlash checkpoint dir> or drafter='random'")
+        self.target = load_target(model, torch_dtype, dev, expert_parallel=expert_parallel)
+        d = load_drafter(drafter if mode != "ar" else None, self.target, torch_dtype, dev, block_size)
+        self.spec = SpecConfig(mode=mode, budget=budget, block_size=d.cfg.block_size if d else (block_size or 16))
+        cfg = self.target.config
+        limit = max_model_len or cfg.max_position_embeddings
+        if limit > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={limit} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
+                                          page_size=page_size, num_pages=num_pages, max_model_len=limit)
+        pages = num_pages or default_num_pages(self.target.model, d, page_size, dev, torch_dtype)
+        runner = ModelRunner(self.target, d, self.spec, pages, page_size, dev)
+        scheduler = Scheduler(PagePool(pages, page_size), self.engine_config, limit, runner.slack_tokens,
+                              1 + self.spec.nodes)
+        eos = cfg.eos_token_ids or (self.target.tokenizer.eos_token_ids if self.target.tokenizer else ())
+        self.engine = Engine(runner, scheduler, self.target.tokenizer, limit, cfg.vocab_size, eos, model)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Complete every prompt (text, or token ids); outputs come back in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts= (text) or prompt_token_ids=")
+        if prompts is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"model '{self.target.name}' has no tokenizer; pass prompt_token_ids= instead")
+            prompts = [prompts] if isinstance(prompts, str) else prompts
+            prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        if len(params) != len(prompt_token_ids):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompt_token_ids)} prompts")
+        ids = [uuid.uuid4().hex for _ in prompt_token_ids]
+        for rid, toks, p in zip(ids, prompt_token_ids, params):
+            self.engine.add_request(rid, list(toks), p)
+        done: dict[str, RequestOutput] = {}
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in ids]

@@ -1,0 +1,78 @@
+"""Per-forward metadata: where each token of a pass sits in its sequence and in the paged KV cache.
+
+One ``ForwardBatch`` describes one target (or drafter) forward over several sequences. Tokens are
+flattened ``[T]``; sequence ``b`` owns rows ``cu_q[b]:cu_q[b+1]``. Two kinds of pass exist:
+
+- prefill (``tree_mask`` None): a prompt with nothing cached yet, causal inside the chunk;
+- verify (``tree_mask`` set): the tokens follow a cached prefix of ``prefix_lens[b]`` positions and see
+  each other through the tree's ancestor bitmask (a chain's mask is lower-triangular, one token's is 1).
+
+The KV of token ``i`` of sequence ``b`` is written at cache position ``prefix_lens[b] + i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (RoPE positions: prefix + depth inside a tree)
+    cu_q: torch.Tensor  # [B+1] int32
+    q_lens: list[int]  # host copy of the per-sequence token counts
+    prefix_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_pages] int32
+    slot_mapping: torch.Tensor  # [T] int64: flat cache row (page * page_size + offset) of each token's KV
+    tree_mask: torch.Tensor | None  # [B, Qmax, ceil(Qmax/32)] int32, None for prefill
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.tree_mask is None
+
+    @staticmethod
+    def slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, cu_q: torch.Tensor, page_size: int,
+              total: int) -> torch.Tensor:
+        """Flat cache rows ``[T]`` for positions ``prefix_lens[b] + i`` of every sequence's tokens."""
+        seq = torch.repeat_interleave(torch.arange(len(prefix_lens), device=cu_q.device),
+                                      (cu_q[1:] - cu_q[:-1]).long(), output_size=total)  # [T]
+        local = torch.arange(total, device=cu_q.device) - cu_q[:-1].long()[seq]
+        pos = prefix_lens.long()[seq] + local
+        return block_table.long()[seq, pos // page_size] * page_size + pos % page_size
+
+    @classmethod
+    def build(cls, input_ids: torch.Tensor, positions: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
+              block_table: torch.Tensor, page_size: int, tree_mask: torch.Tensor | None) -> "ForwardBatch":
+        """Assemble a batch on ``input_ids.device`` from host lists and device tensors."""
+        dev = input_ids.device
+        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu_q[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+        cu_q = cu_q.to(dev)
+        prefix = torch.tensor(prefix_lens, dtype=torch.int32, device=dev)
+        block_table = block_table.to(dev)
+        return cls(input_ids=input_ids, positions=positions, cu_q=cu_q, q_lens=list(q_lens), prefix_lens=prefix,
+                   block_table=block_table,
+                   slot_mapping=cls.slots(block_table, prefix, cu_q, page_size, int(sum(q_lens))),
+                   tree_mask=tree_mask)
+
+
+def causal_tree_mask(q_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Lower-triangular bitmask ``[B, Qmax, W]``: token i sees tokens 0..i of its own chunk."""
+    qmax = max(q_lens)
+    words = (qmax + 31) // 32
+    i = torch.arange(qmax)
+    bits = (i[None, :] <= i[:, None])  # [Qmax, Qmax]
+    mask = pack_bits(bits)  # [Qmax, W]
+    return mask.unsqueeze(0).expand(len(q_lens), qmax, words).contiguous().to(device)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` bool -> ``[..., ceil(n/32)]`` int32, bit j%32 of word j//32 set where ``bits[..., j]``."""
+    n = bits.shape[-1]
+    words = (n + 31) // 32
+    padded = torch.zeros(*bits.shape[:-1], words * 32, dtype=torch.int64, device=bits.device)
+    padded[..., :n] = bits.long()
+    weights = (torch.ones(32, dtype=torch.int64, device=bits.device) << torch.arange(32, device=bits.device))
+    w = (padded.view(*bits.shape[:-1], words, 32) * weights).sum(-1)  # [..., W] in [0, 2^32)
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)

@@ -1,0 +1,251 @@
+"""DFlash block-diffusion drafter: Qwen3-style layers fed with the target's hidden states.
+
+The drafter has no embedding or LM head of its own (it borrows the target's). The target's hidden
+states at ``target_layer_ids`` are concatenated, projected by ``fc`` and normalised; every layer turns
+them into extra keys/values (kept in the drafter's paged cache, at the context tokens' positions).
+One forward over the block ``[bonus, MASK x L]`` (bidirectional inside the block) gives logits for
+the L draft positions. Checkpoints use the published DFlash layout (``config.json`` with
+``block_size`` and ``dflash_config``; tensors ``layers.i.self_attn.q_proj.weight``, ``fc.weight``, ...).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdray.kernels.tree_verify_attention import gqa_tree_attention
+from kdray.model.batch import ForwardBatch
+from kdray.model.checkpoint import CheckpointReader
+from kdray.model.layers import GatedMLP, Linear, RMSNorm, Rotary
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"drafter num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.block_size < 2:
+            raise ValueError(f"drafter block_size={self.block_size} must be >= 2")
+        if not self.target_layer_ids or not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ValueError(f"drafter target_layer_ids={list(self.target_layer_ids)} must be non-empty and lie in "
+                             f"[0, num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"drafter mask_token_id={self.mask_token_id} is outside the vocabulary")
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str = "config.json") -> "DFlashConfig":
+        dc = raw.get("dflash_config") or {}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in raw] + ([] if "mask_token_id" in dc else
+                                                                 ["dflash_config.mask_token_id"])
+        if missing:
+            raise ValueError(f"{source}: DFlash drafter config lacks {', '.join(missing)}")
+        layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
+        n_target = int(raw.get("num_target_layers", 0))
+        ids = dc.get("target_layer_ids") or default_target_layer_ids(n_target, layers)
+        if any(t != "full_attention" for t in raw.get("layer_types") or []):
+            raise ValueError(f"{source}: sliding-window drafter layers are not supported")
+        rope = raw.get("rope_parameters") or {}
+        return cls(hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
+                   num_hidden_layers=layers, num_attention_heads=heads,
+                   num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
+                   head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+                   block_size=int(raw.get("block_size", dc.get("block_size", 16))),
+                   mask_token_id=int(dc["mask_token_id"]), target_layer_ids=tuple(int(i) for i in ids),
+                   num_target_layers=n_target or max(ids) + 1, vocab_size=int(raw["vocab_size"]),
+                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                   rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1000000.0))),
+                   max_position_embeddings=int(raw.get("max_position_embeddings", 32768)))
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": d.pop("block_size"),
+                "num_target_layers": d.pop("num_target_layers"),
+                "dflash_config": {"mask_token_id": d.pop("mask_token_id"),
+                                  "target_layer_ids": list(d.pop("target_layer_ids"))},
+                "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False, **d}
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Spread ``num_draft_layers`` ids evenly over target layers 1 .. N-3 (DFlash's default)."""
+    if num_target_layers < 1:
+        raise ValueError("num_target_layers must be given when dflash_config.target_layer_ids is absent")
+    lo = min(1, num_target_layers - 1)
+    hi = max(num_target_layers - 3, lo)
+    if num_draft_layers == 1:
+        return [(lo + hi) // 2]
+    return [round(lo + (hi - lo) * i / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention projections with per-head q/k norms (names as in DFlash checkpoints)."""
+
+    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = Linear(H, self.heads * D, dtype)
+        self.k_proj = Linear(H, self.kv_heads * D, dtype)
+        self.v_proj = Linear(H, self.kv_heads * D, dtype)
+        self.o_proj = Linear(self.heads * D, H, dtype)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+
+    def kv(self, x: torch.Tensor, rotary: Rotary, cos, sin) -> torch.Tensor:
+        """x ``[n, H]`` -> cache rows ``[n, 2, Hkv, D]`` (normed, roped keys; values)."""
+        k = rotary(self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)), cos, sin)
+        return torch.stack([k, self.v_proj(x).view(-1, self.kv_heads, self.head_dim)], dim=1)
+
+    def forward(self, x, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = self.kv(x, rotary, cos, sin).to(cache.dtype)
+        q = rotary(self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)), cos, sin)
+        o = gqa_tree_attention(q.contiguous(), cache, batch.block_table, batch.prefix_lens, batch.cu_q,
+                               batch.tree_mask, self.head_dim ** -0.5)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, h, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+        self.mlp.load(reader, f"{prefix}.mlp")
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter proper; the target's ``embed_tokens`` and ``logits`` are passed in where needed."""
+
+    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.layers = nn.ModuleList(DFlashLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, dtype)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def kv_row_shape(self) -> tuple[int, ...]:
+        return (2, self.cfg.num_key_value_heads, self.cfg.head_dim)
+
+    def add_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    cache: torch.Tensor):
+        """Write context keys/values: features ``[n, len(ids) * H]`` at ``positions [n]`` into cache rows
+        ``slots [n]`` of ``cache [layers, P, S, 2, Hkv, D]``."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [n, H]
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            cache[i].view(-1, *cache.shape[3:])[slots] = layer.self_attn.kv(ctx, self.rotary, cos, sin).to(cache.dtype)
+
+    def forward(self, block_embeds: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Block embeddings ``[T, H]`` (``T = B * block_size``; ``batch`` holds their positions and an all-ones
+        mask over each block) -> hidden states ``[T, H]`` after the final norm."""
+        h = block_embeds.to(self.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rotary, cos, sin, batch, cache[i])
+        return self.norm(h)
+
+    def load(self, reader: CheckpointReader):
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"layers.{i}")
+        self.fc.load(reader, "fc.weight")
+        self.hidden_norm.load(reader, "hidden_norm.weight")
+        self.norm.load(reader, "norm.weight")
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """Tensors under the DFlash checkpoint names (gate/up unstacked, ``down`` as ``down_proj``)."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name.endswith("mlp.gate_up.weight"):
+                gate, up = t.chunk(2, dim=0)
+                out[name.replace("gate_up", "gate_proj")], out[name.replace("gate_up", "up_proj")] = gate, up
+            else:
+                out[name.replace("mlp.down.weight", "mlp.down_proj.weight")] = t
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def save(self, path: str | Path):
+        """Write the drafter in the DFlash layout (``config.json`` + ``model.safetensors``)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict_hf(), str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=1))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype, device) -> "DFlashDrafter":
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"drafter '{path}' has no config.json; pass a DFlash checkpoint directory, "
+                             "'random' or None")
+        cfg = DFlashConfig.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        with torch.device(device):
+            drafter = cls(cfg, dtype)
+        reader = CheckpointReader(path)
+        try:
+            with torch.no_grad():
+                drafter.load(reader)
+        finally:
+            reader.close()
+        return drafter.eval()
+
+    @classmethod
+    def random_for(cls, target_cfg, block_size: int, dtype: torch.dtype, device, seed: int = 0,
+                   num_layers: int = 1) -> "DFlashDrafter":
+        """A randomly initialised drafter shaped to a target, for tests and demos."""
+        H = target_cfg.hidden_size
+        head_dim = 16 if H <= 256 else 64
+        heads = max(1, H // head_dim // 2)
+        cfg = DFlashConfig(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=num_layers,
+                           num_attention_heads=heads, num_key_value_heads=1 if heads == 1 else heads // 2,
+                           head_dim=head_dim, block_size=block_size, mask_token_id=target_cfg.vocab_size - 1,
+                           target_layer_ids=tuple(default_target_layer_ids(target_cfg.num_hidden_layers,
+                                                                           num_layers)),
+                           num_target_layers=target_cfg.num_hidden_layers, vocab_size=target_cfg.vocab_size,
+                           rope_theta=target_cfg.rope_theta)
+        g = torch.Generator().manual_seed(seed)
+        with torch.device(device):
+            drafter = cls(cfg, dtype)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+        return drafter.eval()

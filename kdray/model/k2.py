@@ -1,0 +1,269 @@
+"""Kimi K2 / DeepSeek-V3 target: MLA attention over a paged latent cache and sigmoid-routed MoE.
+
+Prefill runs MLA in its plain form (keys and values expanded per head); verify steps run the absorbed
+form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
+Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdray.config import K2Config
+from kdray.kernels.tree_verify_attention import mla_tree_attention
+from kdray.kernels.w4a16_moe import w4a16_moe
+from kdray.model.batch import ForwardBatch
+from kdray.model.checkpoint import CheckpointReader
+from kdray.model.layers import GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.parallel import SINGLE, shard_range
+
+# HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention; heads split across the tensor-parallel group."""
+
+    def __init__(self, cfg: K2Config, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        self.cfg, self.group = cfg, group
+        H, D = cfg.num_attention_heads, cfg.qk_head_dim
+        start, end = shard_range(H, group, "num_attention_heads")
+        self.heads = end - start
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, H * D, dtype, tp_dim=0, group=group)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * D, dtype, tp_dim=0, group=group)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp_dim=0,
+                                group=group)
+        self.o_proj = Linear(H * cfg.v_head_dim, cfg.hidden_size, dtype, tp_dim=1, group=group)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.heads, self.cfg.qk_head_dim)  # [T, Hl, nope + rope]
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [Hl, nope, kv_lora]`` and ``W_UV [Hl, v, kv_lora]`` from ``kv_b_proj``."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]``, cache ``[P, S, kv_lora + rope]`` (this layer) -> ``[T, hidden]``."""
+        c = self.cfg
+        q = self._queries(x)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, kv_lora]
+        q_pe = rotary(q_pe, cos, sin)  # [T, Hl, rope]
+        k_pe = rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # [T, rope]
+        cache.view(-1, c.kv_cache_dim)[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+        if batch.is_prefill:
+            out = self._plain(q_nope, q_pe, latent, k_pe, batch)
+        else:
+            w_uk, w_uv = self._absorbed_weights()
+            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, Hl, kv_lora]
+            o_latent = mla_tree_attention(torch.cat([q_latent, q_pe], dim=-1).contiguous(), cache, batch.block_table,
+                                          batch.prefix_lens, batch.cu_q, batch.tree_mask, c.softmax_scale,
+                                          c.kv_lora_rank)  # [T, Hl, kv_lora]
+            out = torch.einsum("thc,hvc->thv", o_latent, w_uv)  # [T, Hl, v]
+        return self.o_proj(out.reshape(x.shape[0], self.heads * c.v_head_dim))
+
+    def _plain(self, q_nope, q_pe, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
+        """Causal attention per prompt with keys and values expanded per head -> ``[T, Hl, v]``."""
+        c = self.cfg
+        kv = self.kv_b_proj(latent).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        outs, start = [], 0
+        for n in batch.q_lens:
+            sl = slice(start, start + n)
+            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                                               is_causal=True, scale=c.softmax_scale)
+            outs.append(o.transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        names = ["q_proj"] if self.cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+        for name in names + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]:
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg: K2Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing: experts chosen by biased scores (group-limited), weighted by unbiased ones.
+
+    logits ``[T, E]`` fp32 -> (ids ``[T, k]`` int64, weights ``[T, k]`` fp32).
+    """
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if cfg.n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, cfg.n_group, E // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, 1.0)
+        choice = grouped.masked_fill(keep.unsqueeze(-1) == 0, 0.0).view(T, E)
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+def dense_experts(x, w13, w2, ids, weights) -> torch.Tensor:
+    """Routed experts with unquantised stacked weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]``; ids -1 are skipped."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, tok, y.float() * weights[tok, slot, None])
+    return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Sigmoid-routed experts plus shared experts. Experts split by width (TP) or by id (EP)."""
+
+    def __init__(self, cfg: K2Config, dtype: torch.dtype, group=SINGLE, expert_parallel: bool = False):
+        super().__init__()
+        self.cfg, self.group, self.ep = cfg, group, expert_parallel
+        E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if expert_parallel:
+            self.e0, e1 = shard_range(E, group, "n_routed_experts")
+            self.experts, self.inner, self.i0 = e1 - self.e0, I, 0
+        else:
+            self.i0, i1 = shard_range(I, group, "moe_intermediate_size")
+            self.e0, self.experts, self.inner = 0, E, i1 - self.i0
+        self.gate = nn.Parameter(torch.empty(E, H, dtype=torch.float32), requires_grad=False)  # router [E, H]
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        El, Il = self.experts, self.inner
+        q = cfg.quantization
+        if q is None:
+            self.w13 = nn.Parameter(torch.empty(El, 2 * Il, H, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(El, H, Il, dtype=dtype), requires_grad=False)
+        else:
+            g = q.group_size
+            if Il % g:
+                raise ValueError(f"expert width per shard {Il} is not a multiple of the INT4 group size {g}; "
+                                 "use a smaller tp or expert parallelism")
+            self.register_buffer("w13_packed", torch.empty(El, 2 * Il, H // 8, dtype=torch.int32))
+            self.register_buffer("w13_scale", torch.empty(El, 2 * Il, H // g, dtype=torch.bfloat16))
+            self.register_buffer("w2_packed", torch.empty(El, H, Il // 8, dtype=torch.int32))
+            self.register_buffer("w2_scale", torch.empty(El, H, Il // g, dtype=torch.bfloat16))
+        self.shared = (GatedMLP(H, I * cfg.n_shared_experts, dtype, group) if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(F.linear(x.float(), self.gate), self.e_score_correction_bias, self.cfg)  # [T, k]
+        if self.ep:
+            local = (ids >= self.e0) & (ids < self.e0 + self.experts)
+            ids = torch.where(local, ids - self.e0, torch.full_like(ids, -1))
+        if self.cfg.quantization is None:
+            routed = dense_experts(x, self.w13, self.w2, ids, weights)
+        else:
+            routed = w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, ids, weights)
+        routed = self.group.all_reduce(routed) if self.group.size > 1 else routed
+        return routed + self.shared(x) if self.shared is not None else routed
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        cfg, H, I = self.cfg, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        E = cfg.n_routed_experts
+        self.gate.copy_(reader.get(f"{prefix}.gate.weight", (E, H)))
+        self.e_score_correction_bias.copy_(reader.get(f"{prefix}.gate.e_score_correction_bias", (E,)))
+        i0, i1 = self.i0, self.i0 + self.inner
+        for local in range(self.experts):
+            ep = f"{prefix}.experts.{self.e0 + local}"
+            if cfg.quantization is None:
+                gate = reader.get(f"{ep}.gate_proj.weight", (I, H), (0, i0, i1))
+                up = reader.get(f"{ep}.up_proj.weight", (I, H), (0, i0, i1))
+                self.w13[local].copy_(torch.cat([gate, up]))
+                self.w2[local].copy_(reader.get(f"{ep}.down_proj.weight", (H, I), (1, i0, i1)))
+                continue
+            g = cfg.quantization.group_size
+            for proj, rows in (("gate_proj", slice(0, self.inner)), ("up_proj", slice(self.inner, 2 * self.inner))):
+                _check_int4_shape(reader, f"{ep}.{proj}", (I, H))
+                self.w13_packed[local, rows] = reader.get(f"{ep}.{proj}.weight_packed", (I, H // 8), (0, i0, i1))
+                self.w13_scale[local, rows] = reader.get(f"{ep}.{proj}.weight_scale", (I, H // g), (0, i0, i1))
+            _check_int4_shape(reader, f"{ep}.down_proj", (H, I))
+            self.w2_packed[local] = reader.get(f"{ep}.down_proj.weight_packed", (H, I // 8), (1, i0 // 8, i1 // 8))
+            self.w2_scale[local] = reader.get(f"{ep}.down_proj.weight_scale", (H, I // g), (1, i0 // g, i1 // g))
+        if self.shared is not None:
+            self.shared.load(reader, f"{prefix}.shared_experts")
+
+
+def _check_int4_shape(reader: CheckpointReader, prefix: str, shape: tuple[int, int]):
+    found = tuple(reader.get(f"{prefix}.weight_shape", (2,)).tolist())
+    if found != shape:
+        raise ValueError(f"{reader.path}: tensor '{prefix}.weight_shape' says {list(found)}, expected {list(shape)}")
+
+
+class K2DecoderLayer(nn.Module):
+    def __init__(self, cfg: K2Config, index: int, dtype: torch.dtype, group=SINGLE, expert_parallel=False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLAttention(cfg, dtype, group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = (GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group) if index < cfg.first_k_dense_replace
+                    else MoE(cfg, dtype, group, expert_parallel))
+
+    def forward(self, h, rotary, cos, sin, batch, cache):
+        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.mlp.load(reader, f"{prefix}.mlp")
+
+
+class K2Model(nn.Module):
+    """The whole target: ``forward`` returns final hidden states and the requested layers' outputs."""
+
+    def __init__(self, cfg: K2Config, dtype: torch.dtype = torch.float32, group=SINGLE, expert_parallel=False):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
+        self.layers = nn.ModuleList(K2DecoderLayer(cfg, i, dtype, group, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
+        self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=True)
+
+    @property
+    def kv_row_shape(self) -> tuple[int, ...]:
+        """Values cached per token and layer (the MLA latent and the roped key)."""
+        return (self.cfg.kv_cache_dim,)
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_cache ``[layers, P, S, kv_lora + rope]`` -> (hidden ``[T, H]`` after the final norm,
+        outputs of ``aux_layer_ids`` concatenated ``[T, len(ids) * H]`` or None)."""
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
+            if i in aux_layer_ids:
+                aux.append(h)
+        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, vocab]`` fp32."""
+        return self.lm_head(hidden)
+
+    def load(self, reader: CheckpointReader):
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        self.norm.load(reader, "model.norm.weight")
+        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head.load(reader, head)

@@ -1,0 +1,173 @@
+"""Building blocks shared by the targets and the drafter: norms, tensor-parallel linears, RoPE, MLP.
+
+Tensor parallelism is written into the layers: a linear's ``tp_dim`` says which weight dimension is
+split across the group (0: column-parallel, outputs split; 1: row-parallel, inputs split, then an
+all-reduce) and ``load`` reads only this rank's slice from the checkpoint.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdray.config import YarnScaling
+from kdray.model.checkpoint import CheckpointReader
+from kdray.model.parallel import SINGLE, shard_range
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as HF computes it."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def load(self, reader: CheckpointReader, name: str):
+        self.weight.copy_(reader.get(name, tuple(self.weight.shape)))
+
+
+class Linear(nn.Module):
+    """``y = x W^T``, ``W [out, in]``; ``tp_dim`` None (replicated), 0 (column-parallel) or 1 (row-parallel)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, tp_dim: int | None = None,
+                 group=SINGLE):
+        super().__init__()
+        self.full_shape = (out_features, in_features)
+        self.tp_dim, self.group = tp_dim, group
+        shape = list(self.full_shape)
+        if tp_dim is not None:
+            start, end = shard_range(shape[tp_dim], group, ("out_features", "in_features")[tp_dim])
+            shape[tp_dim] = end - start
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)  # [out(/tp), in(/tp)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return self.group.all_reduce(y) if self.tp_dim == 1 and self.group.size > 1 else y
+
+    def load(self, reader: CheckpointReader, names: str | list[str]):
+        """Load one checkpoint tensor, or several stacked along the output dim (e.g. gate and up), each
+        split across the group on its own."""
+        names = [names] if isinstance(names, str) else names
+        part_out = self.full_shape[0] // len(names)
+        parts = []
+        for name in names:
+            full = (part_out, self.full_shape[1])
+            shard = None
+            if self.tp_dim is not None:
+                start, end = shard_range(full[self.tp_dim], self.group, name)
+                shard = (self.tp_dim, start, end)
+            parts.append(reader.get(name, full, shard))
+        self.weight.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding split by vocabulary rows across the group; lookups all-reduce the partial rows."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        self.vocab, self.group = vocab, group
+        self.start, self.end = shard_range(vocab, group, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = (ids >= self.start) & (ids < self.end)
+        out = F.embedding((ids - self.start).clamp(0, self.end - self.start - 1), self.weight)
+        return self.group.all_reduce(out * local.unsqueeze(-1).to(out.dtype))
+
+    def load(self, reader: CheckpointReader, name: str):
+        self.weight.copy_(reader.get(name, (self.vocab, self.weight.shape[1]), (0, self.start, self.end)))
+
+
+class LMHead(nn.Module):
+    """Vocabulary-parallel output projection: each rank computes its slice, gathered to full logits."""
+
+    def __init__(self, dim: int, vocab: int, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        self.proj = Linear(dim, vocab, dtype, tp_dim=0, group=group)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.proj.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``[T, dim]`` -> ``[T, vocab]`` fp32 logits."""
+        return self.proj.group.all_gather(F.linear(h, self.proj.weight).float(), dim=-1)
+
+    def load(self, reader: CheckpointReader, name: str):
+        self.proj.load(reader, name)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate x) * up x)``: gate/up column-parallel (stacked), down row-parallel."""
+
+    def __init__(self, dim: int, inner: int, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        self.gate_up = Linear(dim, 2 * inner, dtype, tp_dim=0, group=group)  # [2*inner/tp, dim]
+        self.down = Linear(inner, dim, dtype, tp_dim=1, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        self.gate_up.load(reader, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
+        self.down.load(reader, f"{prefix}.down_proj.weight")
+
+
+def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[dim/2]`` and the cos/sin multiplier (YaRN's attention factor, else 1)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if yarn is None:
+        return 1.0 / pos_freqs, 1.0
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    if yarn.mscale and yarn.mscale_all_dim:
+        attn_factor = mscale(yarn.factor, yarn.mscale) / mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        attn_factor = mscale(yarn.factor)
+    return inv, attn_factor
+
+
+class Rotary(nn.Module):
+    """RoPE. ``interleaved`` rotates adjacent pairs (DeepSeek) and returns them de-interleaved (as HF does,
+    which is harmless: queries and keys share the layout); otherwise the two halves are rotated (NeoX / Llama)."""
+
+    def __init__(self, dim: int, theta: float, yarn: YarnScaling | None = None, interleaved: bool = False):
+        super().__init__()
+        inv, self.attn_factor = rope_inv_freq(dim, theta, yarn)
+        self.register_buffer("inv_freq", inv, persistent=False)  # [dim/2]
+        self.interleaved = interleaved
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T]`` positions -> cos, sin ``[T, dim/2]`` (angle per pair, times the attention factor)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[T, heads, dim]`` -> rotated ``[T, heads, dim]``."""
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

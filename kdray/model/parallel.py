@@ -1,0 +1,35 @@
+"""The tensor-parallel group a model shard computes in.
+
+Layers only need ``rank``, ``size``, ``all_reduce`` and ``all_gather``; the actors package supplies
+NCCL (GPU) and gloo (CPU) groups with this shape. ``SINGLE`` is the one-shard group used in-process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SingleGroup:
+    """A group of one shard: collectives are identities."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return t
+
+
+SINGLE = SingleGroup()
+
+
+def shard_range(total: int, group, what: str) -> tuple[int, int]:
+    """The ``[start, end)`` slice of ``total`` owned by ``group.rank``; ``total`` must divide evenly."""
+    if total % group.size:
+        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel width {group.size}")
+    n = total // group.size
+    return group.rank * n, (group.rank + 1) * n

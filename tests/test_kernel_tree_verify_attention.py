@@ -1,0 +1,244 @@
+"""tree_verify_attention: the torch reference against SDPA on CPU; the CUDA kernels against the reference."""
+import math
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kdray.kernels.tree_verify_attention import (_mma_smem_bytes, _num_splits, _tree_attention_cuda,
+                                                 gqa_tree_attention, mla_tree_attention, tree_attention_reference)
+
+MLA_DK, MLA_DV = 576, 512
+
+
+def _pack_mask(visible: torch.Tensor, words: int) -> torch.Tensor:
+    """``[n, n]`` bool (row i sees tree token j) -> ``[n, words]`` int32 bit words."""
+    n = visible.shape[0]
+    bits = torch.zeros(n, words * 32, dtype=torch.int64)
+    bits[:, :n] = visible.long()
+    packed = (bits.view(n, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def _random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``[n, n]`` bool ancestor-or-self matrix of a random tree whose node i has a parent < i."""
+    vis = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        vis[i] |= vis[int(torch.randint(0, i, (1,), generator=gen))]
+    return vis
+
+
+def make_case(q_lens, prefixes, *, heads, page_size, kv_heads=None, head_dim=MLA_DK, dtype=torch.float32,
+              device="cpu", seed=0, chain=False):
+    """A random paged batch. ``kv_heads=None``: MLA layout ``[P, S, Dk]``; else GQA ``[P, S, 2, Hkv, D]``.
+
+    Cache rows that no sequence owns (tails of last pages, spare pages) hold NaN, so reading one shows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    B, q_max = len(q_lens), max(max(q_lens), 1)
+    words = -(-q_max // 32)
+    n_pages = [-(-(p + q) // page_size) for p, q in zip(prefixes, q_lens)]
+    max_pages = max(n_pages) + 1
+    total_pages = sum(n_pages) + 2
+    perm = torch.randperm(total_pages, generator=gen).to(torch.int32)
+    block_table = perm[torch.randint(0, total_pages, (B, max_pages), generator=gen)]  # unused entries: junk
+    row_shape = (head_dim,) if kv_heads is None else (2, kv_heads, head_dim)
+    cache = torch.full((total_pages, page_size) + row_shape, float("nan"))
+    tree_mask = torch.zeros(B, q_max, words, dtype=torch.int32)
+    start = 0
+    for b, (p, q) in enumerate(zip(prefixes, q_lens)):
+        block_table[b, :n_pages[b]] = perm[start:start + n_pages[b]]
+        start += n_pages[b]
+        pos = torch.arange(p + q)
+        cache[block_table[b, pos // page_size].long(), pos % page_size] = torch.randn((p + q,) + row_shape,
+                                                                                      generator=gen)
+        if q:
+            vis = torch.ones(q, q, dtype=torch.bool).tril() if chain else _random_tree(q, gen)
+            tree_mask[b, :q] = _pack_mask(vis, words)
+    cu_q = torch.tensor([0] + list(q_lens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=gen)
+    prefix_lens = torch.tensor(prefixes, dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (to(q.to(dtype)), to(cache.to(dtype)), to(block_table), to(prefix_lens), to(cu_q), to(tree_mask))
+
+
+def _reference(case, kv_heads, scale):
+    """fp32 reference of either form on the case's device."""
+    q, cache, *rest = case
+    split = ((lambda r: (r.unsqueeze(1), r[:, None, :MLA_DV])) if kv_heads is None  # noqa: E731
+             else (lambda r: (r[:, 0], r[:, 1])))
+    return tree_attention_reference(q.float(), cache.float(), *rest, scale, split)
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _where_wrong(out, ref):
+    """Failure note: error per column half and the share of rows that are off."""
+    d = (out.double() - ref.double()).flatten(0, 1)
+    r = ref.double().flatten(0, 1)
+    h = d.shape[1] // 2
+    halves = [(d[:, s].norm() / r[:, s].norm()).item() for s in (slice(0, h), slice(h, None))]
+    bad = (d.norm(dim=1) > 0.05 * r.norm(dim=1)) | d.isnan().any(1)
+    return f"rel err per half {halves}, bad rows {int(bad.sum())}/{bad.numel()} first {bad.nonzero()[:5].flatten().tolist()}"
+
+
+# --- CPU: the reference ------------------------------------------------------------------------------------
+
+def test_reference_causal_matches_sdpa():
+    scale = 0.13
+    q, cache, bt, pl, cu, mask = make_case([23], [0], heads=4, page_size=4, seed=1, chain=True)
+    out = mla_tree_attention(q, cache, bt, pl, cu, mask, scale, MLA_DV)
+    pos = torch.arange(23)
+    rows = cache[bt[0, pos // 4].long(), pos % 4]  # [23, 576]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), rows.expand(4, -1, -1), rows[:, :MLA_DV].expand(4, -1, -1),
+                                         is_causal=True, scale=scale).transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_tree_matches_dense_mask_sdpa():
+    scale = 0.1
+    q, cache, bt, pl, cu, mask = make_case([3, 37], [5, 40], heads=2, page_size=16, seed=2)
+    out = mla_tree_attention(q, cache, bt, pl, cu, mask, scale, MLA_DV)
+    b, n, prefix = 1, 37, 40
+    pos = torch.arange(prefix + n)
+    rows = cache[bt[b, pos // 16].long(), pos % 16]
+    bits = (mask[b, :n, torch.arange(n) // 32] >> (torch.arange(n) % 32)) & 1
+    dense = torch.cat([torch.ones(n, prefix, dtype=torch.bool), bits.bool()], dim=1)
+    ref = F.scaled_dot_product_attention(q[3:].transpose(0, 1), rows.expand(2, -1, -1),
+                                         rows[:, :MLA_DV].expand(2, -1, -1), attn_mask=dense,
+                                         scale=scale).transpose(0, 1)
+    torch.testing.assert_close(out[3:], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_gqa_groups_query_heads():
+    scale = 0.125
+    q, cache, bt, pl, cu, mask = make_case([6], [9], heads=6, kv_heads=2, head_dim=16, page_size=4, seed=3)
+    out = gqa_tree_attention(q, cache, bt, pl, cu, mask, scale)
+    pos = torch.arange(15)
+    rows = cache[bt[0, pos // 4].long(), pos % 4]  # [15, 2, Hkv, D]
+    k, v = (rows[:, i].transpose(0, 1).repeat_interleave(3, dim=0) for i in (0, 1))  # [Hq, 15, D]
+    bits = (mask[0, :6, torch.arange(6) // 32] >> (torch.arange(6) % 32)) & 1
+    dense = torch.cat([torch.ones(6, 9, dtype=torch.bool), bits.bool()], dim=1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=dense, scale=scale).transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_mask_dtype_is_rejected():
+    q, cache, bt, pl, cu, mask = make_case([4], [3], heads=2, page_size=4)
+    with pytest.raises(ValueError, match="tree_mask"):
+        mla_tree_attention(q, cache, bt, pl, cu, mask.long(), 0.1, MLA_DV)
+
+
+def test_launch_geometry():
+    assert _mma_smem_bytes(MLA_DK, MLA_DV, True, 2) <= 227 * 1024  # the H100/H200 per-block limit
+    assert _num_splits(8, 65, 132) == 16  # B = 1, 8 heads x 64 nodes: 8 tiles x 16 splits
+    assert _num_splits(256, 65, 132) == 1
+    assert _num_splits(8, 3, 132) == 3  # never more splits than key tiles
+
+
+# --- GPU: the kernels against the reference ------------------------------------------------------------------
+
+MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
+    "one-token": ([1], [0], 8, 16),
+    "ragged": ([5, 64, 17, 0], [100, 0, 333, 7], 8, 16),
+    "heads64": ([33, 2], [70, 200], 64, 64),
+    "tree256": ([256, 3], [1000, 64], 8, 64),
+    "tree1024": ([1024], [77], 8, 16),
+    "split-k": ([16, 1], [5000, 0], 8, 64),
+}
+
+
+def _run(fn, case, out_shape, dtype):
+    out = torch.full(out_shape, float("nan"), dtype=dtype, device="cuda")
+    res = fn(*case, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["bf16", "bf16-mma.sync", "fp32"])
+@pytest.mark.parametrize("name", list(MLA_CASES))
+def test_mla_matches_reference(name, variant):
+    q_lens, prefixes, heads, page = MLA_CASES[name]
+    if variant == "bf16-mma.sync" and name in ("tree1024", "one-token"):
+        pytest.skip("covered by the default path")
+    dtype = torch.float32 if variant == "fp32" else torch.bfloat16
+    scale = 0.13
+    case = make_case(q_lens, prefixes, heads=heads, page_size=page, dtype=dtype, device="cuda",
+                     seed=zlib.crc32(name.encode()))
+    T = case[0].shape[0]
+
+    def fn(q, cache, bt, pl, cu, mask, out):
+        if variant == "bf16-mma.sync":
+            return _tree_attention_cuda(q, cache, bt, pl, cu, mask, scale, kv_heads=1, dv=MLA_DV,
+                                        row_stride=MLA_DK, v_off=0, out=out, mma_sync=True)
+        return mla_tree_attention(q, cache, bt, pl, cu, mask, scale, MLA_DV, out=out)
+
+    out = _run(fn, case, (T, heads, MLA_DV), dtype)
+    ref = _reference(case, None, scale)
+    assert _rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2), _where_wrong(out, ref)
+
+
+@pytest.mark.gpu
+def test_mla_default_output_holds_split_partials():
+    """Without ``out=`` the split-K partials share the output's allocation; the result must not change."""
+    scale = 0.13
+    case = make_case([16, 5], [3000, 900], heads=8, page_size=64, dtype=torch.bfloat16, device="cuda", seed=7)
+    out = mla_tree_attention(*case, scale, MLA_DV)
+    assert out.shape == (21, 8, MLA_DV) and out.is_contiguous()
+    assert _rel_err(out, _reference(case, None, scale)) < 2e-2
+
+
+GQA_CASES = {  # name: (q_lens, prefixes, Hq, Hkv, D, page_size)
+    "smollm-ragged": ([1, 64, 9], [0, 129, 1000], 9, 3, 64, 16),
+    "llama-tree1024": ([1024, 3], [50, 4000], 32, 8, 128, 64),
+    "mha-split": ([7], [3000], 4, 4, 128, 16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", list(GQA_CASES))
+def test_gqa_matches_reference(name, dtype):
+    q_lens, prefixes, hq, hkv, d, page = GQA_CASES[name]
+    scale = d ** -0.5
+    case = make_case(q_lens, prefixes, heads=hq, kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype,
+                     device="cuda", seed=zlib.crc32(name.encode()))
+    out = _run(lambda *a, out: gqa_tree_attention(*a, scale, out=out), case, (case[0].shape[0], hq, d), dtype)
+    ref = _reference(case, hkv, scale)
+    assert _rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2), _where_wrong(out, ref)
+
+
+@pytest.mark.gpu
+def test_mla_cuda_graph_replay_equals_eager():
+    scale = 0.13
+    case = make_case([16, 40], [4000, 300], heads=8, page_size=64, dtype=torch.bfloat16, device="cuda", seed=11)
+    eager = mla_tree_attention(*case, scale, MLA_DV)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_tree_attention(*case, scale, MLA_DV)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_out = mla_tree_attention(*case, scale, MLA_DV)
+    torch.cuda.current_stream().wait_stream(stream)
+    static_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+def test_cuda_inputs_are_checked():
+    q, cache, bt, pl, cu, mask = make_case([4], [3], heads=8, page_size=16, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(TypeError, match="block_table"):
+        mla_tree_attention(q, cache, bt.long(), pl, cu, mask, 0.1, MLA_DV)
+    with pytest.raises(ValueError, match="contiguous"):
+        mla_tree_attention(q.transpose(0, 1).contiguous().transpose(0, 1), cache, bt, pl, cu, mask, 0.1, MLA_DV)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        mla_tree_attention(q.half(), cache.half(), bt, pl, cu, mask, 0.1, MLA_DV)
+    assert math.isfinite(float(mla_tree_attention(q, cache, bt, pl, cu, mask, 0.1, MLA_DV).float().sum()))
