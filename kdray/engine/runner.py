@@ -106,21 +106,29 @@ class ModelRunner:
     def step(self, seqs: list[Sequence]) -> StepResult:
         """One speculative step for sequences that all have a bonus token and a cached prefix."""
         stages = _Stages(self.profile_stages)
-        B = len(seqs)
-        roots = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
-        prefix_host = [s.cached_len for s in seqs]
-        prefix = torch.tensor(prefix_host, dtype=torch.int32, device=self.device)
         block_table = self._block_table(seqs)
+        tree = self.propose(seqs, block_table, stages)
+        return self.verify(seqs, tree, block_table, stages)
+
+    def propose(self, seqs: list[Sequence], block_table: torch.Tensor, stages: _Stages) -> DraftTree:
+        """Draft and build: each sequence's tree rooted at its bonus token (the root alone for AR)."""
+        roots = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
         if self.spec.mode == "ar":
             tree = root_only_tree(roots)
-            stages.end("build")
         else:
-            draft_logits = self._draft(seqs, roots, prefix_host, block_table)  # [B, L, V]
+            draft_logits = self._draft(seqs, roots, [s.cached_len for s in seqs], block_table)  # [B, L, V]
             stages.end("draft")
-            budgets = torch.full((B,), self.spec.nodes, dtype=torch.int32, device=self.device)
+            budgets = torch.full((len(seqs),), self.spec.nodes, dtype=torch.int32, device=self.device)
             tree = tree_build(draft_logits, roots, budgets, self.spec.nodes, self.spec.max_topk)
-            stages.end("build")
+        stages.end("build")
+        return tree
 
+    def verify(self, seqs: list[Sequence], tree: DraftTree, block_table: torch.Tensor, stages: _Stages) -> StepResult:
+        """Verify the trees in one target pass, accept the longest matching paths and commit their KV;
+        the accepted nodes' hidden states become each sequence's pending drafter context."""
+        B = len(seqs)
+        prefix_host = [s.cached_len for s in seqs]
+        prefix = torch.tensor(prefix_host, dtype=torch.int32, device=self.device)
         q_lens = tree.num_nodes.tolist()
         width = tree.tokens.shape[1]
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
