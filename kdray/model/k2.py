@@ -118,7 +118,18 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: K2Config) -> tuple[torc
 
 
 def dense_experts(x, w13, w2, ids, weights) -> torch.Tensor:
-    """Routed experts with unquantised stacked weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]``; ids -1 are skipped."""
+    """Routed experts with unquantised stacked weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]``; ids -1 are skipped.
+
+    On the CPU only the experts in use run. On a GPU every expert runs on every token and the routing
+    weights select (no host sync, so the pass can be captured in a CUDA graph); fine for the small
+    unquantised models, while INT4 checkpoints go through the grouped ``w4a16_moe`` kernel.
+    """
+    if x.is_cuda:
+        select = torch.zeros(x.shape[0], w13.shape[0] + 1, dtype=torch.float32, device=x.device)  # [T, E+1]
+        select.scatter_add_(1, torch.where(ids < 0, w13.shape[0], ids), weights.float())
+        gate, up = torch.einsum("th,eoh->eto", x, w13).chunk(2, dim=-1)  # [E, T, I] each
+        y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, w2)  # [E, T, H]
+        return torch.einsum("eth,te->th", y.float(), select[:, :-1]).to(x.dtype)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         if e < 0:
