@@ -1,0 +1,193 @@
+"""Routed-expert MoE with INT4 (W4A16) expert weights: ``w4a16_moe``.
+
+``out[t] = sum_j topk_weights[t, j] * W2[e] @ (silu(W1[e][:I] @ x[t]) * (W1[e][I:] @ x[t]))`` with
+``e = topk_ids[t, j]``; an id of -1 means "expert not on this rank" and is skipped. Weights are
+compressed-tensors ``pack-quantized`` INT4 (see ``int4.py``): rows ``[0, I)`` of ``w13`` are gate_proj,
+rows ``[I, 2I)`` up_proj; group size ``g = H / w13_scale.shape[-1]``.
+
+CPU tensors run the torch reference (fp32 math over the dequantized experts that are used). CUDA
+tensors run four kernels from ``cuda/w4a16_moe.cu`` on torch's current stream, with no host sync, so a
+verify step's MoE can be captured in a CUDA graph:
+
+1. ``moe_prep``: block 0 sorts the (token, slot) pairs by expert (histogram + prefix sum) and cuts each
+   expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
+   ldmatrix loads read (see the .cu) and zero the fp32 output accumulator.
+2. ``moe_up_m*``: per (pass, N tile) the gate/up GEMM on tensor cores with INT4 dequantized in
+   registers, SiLU(gate) * up fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
+3. ``moe_down_m*``: the down GEMM over ``h``; each row scaled by its routing weight and added
+   (fp32 reductions) into ``acc [T, H]``.
+4. ``moe_finalize``: ``acc`` -> ``out`` in bf16.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kdray.kernels.int4 import dequantize_int4
+
+KC = 256  # k per pipeline stage
+THREADS = 256  # 8 warps per GEMM block
+MAX_E = 4096  # experts the routing block's shared memory holds
+# GEMM variants: (rows per pass MT, n8 tiles per warp half NT, pipeline stages); a tile is 128 * NT weight rows.
+VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2)}
+
+
+def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> tuple[int, int, int, int]:
+    """Check the operands against each other; return ``(E, H, I, group)``."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    if w13_packed.dim() != 3 or w2_packed.dim() != 3:
+        raise ValueError(f"w13_packed / w2_packed must be [E, out, in/8], got {tuple(w13_packed.shape)} / "
+                         f"{tuple(w2_packed.shape)}")
+    E, two_i, h8 = w13_packed.shape
+    I = two_i // 2
+    if two_i % 2 or h8 * 8 != H or w2_packed.shape != (E, H, I // 8) or I % 8:
+        raise ValueError(f"expected w13_packed [E, 2I, H/8] and w2_packed [E, H, I/8] for H={H}, got "
+                         f"{tuple(w13_packed.shape)} and {tuple(w2_packed.shape)}")
+    if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+        raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
+    if w13_scale.dim() != 3 or w13_scale.shape[:2] != (E, two_i) or H % w13_scale.shape[2]:
+        raise ValueError(f"w13_scale must be [E, 2I, H/g] = [{E}, {two_i}, H/g], got {tuple(w13_scale.shape)}")
+    group = H // w13_scale.shape[2]
+    if I % group or w2_scale.shape != (E, H, I // group):
+        raise ValueError(f"w2_scale must be [E, H, I/g] = [{E}, {H}, {I}/{group}], got {tuple(w2_scale.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids / topk_weights must both be [T={T}, k], got {tuple(topk_ids.shape)} / "
+                         f"{tuple(topk_weights.shape)}")
+    if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32:
+        raise TypeError(f"topk_ids must be int64 and topk_weights float32, got {topk_ids.dtype} / "
+                        f"{topk_weights.dtype}")
+    return E, H, I, group
+
+
+def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> torch.Tensor:
+    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype``."""
+    E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+    xf = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        w13 = dequantize_int4(w13_packed[e], w13_scale[e], H)  # [2I, H]
+        w2 = dequantize_int4(w2_packed[e], w2_scale[e], I)  # [H, I]
+        gate_up = xf[tok] @ w13.T  # [n, 2I]
+        h = F.silu(gate_up[:, :I]) * gate_up[:, I:]  # [n, I]
+        out.index_add_(0, tok, (h @ w2.T) * topk_weights[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def random_int4_experts(E: int, H: int, I: int, device="cuda", generator: torch.Generator | None = None):
+    """Random ``(w13_packed, w13_scale, w2_packed, w2_scale)`` with group 32 made in place (no quantization
+    pass; any int32 is a word of 8 nibbles); scales put each weight near ``1 / sqrt(in_features)``. For tests
+    and benchmarks."""
+    def packed(*shape):
+        return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=device, generator=generator)
+
+    def scales(n_out, n_in):
+        s = torch.rand(E, n_out, n_in // 32, device=device, generator=generator) + 0.5
+        return (s / (5 * n_in ** 0.5)).to(torch.bfloat16)
+
+    return packed(E, 2 * I, H // 8), scales(2 * I, H), packed(E, H, I // 8), scales(H, I)
+
+
+def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+              w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routed experts over INT4 weights; ``x [T, H]`` -> ``[T, H]`` in ``x.dtype``.
+
+    ``w13_packed [E, 2I, H/8]`` int32, ``w13_scale [E, 2I, H/g]`` bf16, ``w2_packed [E, H, I/8]`` int32,
+    ``w2_scale [E, H, I/g]`` bf16, ``topk_ids [T, k]`` int64 (-1 = skip), ``topk_weights [T, k]`` fp32.
+    """
+    if x.is_cuda:
+        return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+    return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_cuda(x, operands: dict, E: int, H: int, I: int, k: int, group: int):
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the CUDA w4a16_moe takes bf16 activations, got {x.dtype}")
+    if group != 32 or H % 64 or I % 64:
+        raise ValueError(f"the CUDA w4a16_moe needs group size 32 and H, I multiples of 64; got group={group}, "
+                         f"H={H}, I={I} (run these shapes on CPU, or add a kernel variant)")
+    if E > MAX_E:
+        raise ValueError(f"the CUDA w4a16_moe routes at most {MAX_E} experts per rank, got {E}")
+    for name, t in operands.items():
+        if t.device != x.device or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be a contiguous, 16-byte aligned tensor on {x.device}; got {t.device}, "
+                             f"contiguous={t.is_contiguous()}, address % 16 = {t.data_ptr() % 16}")
+    if x.shape[0] * max(_round128(H), k * _round128(I)) >= 2 ** 31:
+        raise ValueError(f"T={x.shape[0]} tokens overflow the kernels' 32-bit offsets; split the batch")
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def _tiles_per_block(n_tiles: int, k_stages: int, busy_passes: int, sm_count: int) -> int:
+    """N tiles one GEMM block streams back to back: ~32 stages per block, yet ~4 blocks per SM to run."""
+    tpb = max(1, min(math.ceil(32 / k_stages), busy_passes * n_tiles // (4 * sm_count), n_tiles))
+    return math.ceil(n_tiles / math.ceil(n_tiles / tpb))  # even out the blocks of a pass
+
+
+def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights,
+                    variant: str | None = None) -> torch.Tensor:
+    """The CUDA path; ``variant`` (a ``VARIANTS`` key) overrides the choice by shape (benchmarks sweep it)."""
+    from kdray.kernels.cuda_module import launch
+
+    E, H, I, group = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+    T, k = topk_ids.shape
+    x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
+    _check_cuda(x, dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
+                        topk_ids=topk_ids, topk_weights=topk_weights), E, H, I, k, group)
+    dev, i32 = x.device, np.int32
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    if T == 0:
+        return out
+    sms, slots = _sm_count(dev.index), T * k
+    # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win on K2 shapes (H200 sweep:
+    # T <= 256 at E = 384); with more rows, wider N tiles halve the activation re-reads (each tile stages its
+    # rows' activations again).
+    variant = variant or ("m16n1" if slots <= 8 * E else "m32n2" if I % 128 == 0 else "m32n1")
+    if variant == "m32n2" and I % 128:
+        raise ValueError(f"variant m32n2 needs I % 128 == 0, got I={I}")
+    mt, nt, stages = VARIANTS[variant]
+    bn = 128 * nt
+    max_passes = min(E, slots) + slots // mt  # sum over experts of ceil(rows_e / mt) never exceeds this
+    sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)  # sorted row -> t * k + j
+    passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)  # [0, 0]: count; (e, row0, rows, 0)
+    # Activations in the GEMMs' k order, rows padded to a multiple of 128 (the padding must read as zero).
+    x_perm = torch.empty(T, _round128(H), dtype=torch.bfloat16, device=dev)  # written whole by moe_prep
+    h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, _round128(I), dtype=torch.bfloat16, device=dev)
+    acc = torch.empty(T, H, dtype=torch.float32, device=dev)  # weighted sum over the k experts
+
+    # moe_prep: block 0 routes (1024 threads, 2E ints of shared memory); the others permute x (a thread per
+    # 16-byte piece) and zero acc.
+    perm_blocks = min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
+    launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
+           (topk_ids, x, x_perm, acc, sorted_slot, passes, i32(T), i32(k), i32(E), i32(H), i32(mt)),
+           shared_mem=8 * E, device=dev)
+    # GEMMs: grid (pass, group of N tiles), 256 threads, `stages` of weights, scales and activations.
+    smem = stages * (bn * KC // 2 + bn * KC // 16 + mt * KC * 2)
+    busy = min(E, slots)
+    n_up = I // (bn // 2)  # tiles of bn/2 gate + bn/2 up rows over K = H
+    tpb = _tiles_per_block(n_up, math.ceil(H / KC), busy, sms)
+    launch("w4a16_moe", f"moe_up_{variant}", (max_passes, math.ceil(n_up / tpb)), (THREADS,),
+           (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
+           shared_mem=smem, device=dev)
+    n_down = math.ceil(H / bn)  # tiles of bn output rows over K = I
+    tpb = _tiles_per_block(n_down, math.ceil(I / KC), busy, sms)
+    launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (THREADS,),
+           (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(n_down),
+            i32(tpb)), shared_mem=smem, device=dev)
+    n4 = T * H // 4
+    launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,), (acc, out, i32(n4)),
+           device=dev)
+    return out

@@ -1,0 +1,177 @@
+"""w4a16_moe: the torch reference against a plain dense loop (CPU) and the CUDA kernels against it (GPU)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
+from kdray.kernels.w4a16_moe import random_int4_experts, w4a16_moe, w4a16_moe_reference
+
+
+def _routing(T, E, k, device="cpu", experts=None, skip=0.0, gen=None):
+    """``[T, k]`` distinct expert ids drawn from ``experts`` (default all), a ``skip`` share set to -1; fp32 weights."""
+    pool = torch.arange(E, device=device) if experts is None else experts.to(device)
+    scores = torch.rand(T, pool.numel(), device=device, generator=gen)
+    ids = pool[scores.topk(k, dim=1).indices]
+    ids = torch.where(torch.rand(T, k, device=device, generator=gen) < skip, -1, ids)
+    return ids, torch.rand(T, k, device=device, generator=gen)
+
+
+def _dense_loop(x, w13, w2, ids, weights):
+    """Plain per-token, per-slot computation on dense fp32 weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]``."""
+    I = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            gu = w13[e] @ x[t].float()
+            out[t] += weights[t, j] * (w2[e] @ (F.silu(gu[:I]) * gu[I:]))
+    return out
+
+
+def _quantized_experts(E, H, I, group=32, device="cpu"):
+    w13p, w13s = quantize_int4(torch.randn(E, 2 * I, H, device=device) / H ** 0.5, group)
+    w2p, w2s = quantize_int4(torch.randn(E, H, I, device=device) / I ** 0.5, group)
+    return w13p, w13s, w2p, w2s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,I,E,k,group", [(5, 64, 32, 6, 2, 32), (9, 128, 64, 8, 3, 32), (4, 96, 64, 5, 2, 16)])
+def test_reference_matches_dense_loop(T, H, I, E, k, group, dtype):
+    torch.manual_seed(T * 131 + H)
+    w13p, w13s, w2p, w2s = _quantized_experts(E, H, I, group)
+    x = torch.randn(T, H).to(dtype)
+    ids, weights = _routing(T, E, k, experts=torch.arange(E - 2), skip=0.2)  # two experts unused, some -1
+    out = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
+    assert out.dtype == dtype and out.shape == (T, H)
+    ref = _dense_loop(x, dequantize_int4(w13p, w13s, H), dequantize_int4(w2p, w2s, I), ids, weights)
+    torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                               atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_skipped_ids_contribute_nothing():
+    torch.manual_seed(1)
+    T, H, I, E, k = 6, 64, 32, 4, 2
+    w13p, w13s, w2p, w2s = _quantized_experts(E, H, I)
+    x = torch.randn(T, H)
+    ids, weights = _routing(T, E, k)
+    ids[2] = -1  # token 2 has no expert on this rank
+    ids[4, 1] = -1
+    out = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
+    assert torch.equal(out[2], torch.zeros(H))
+    alone = w4a16_moe(x[4:5], w13p, w13s, w2p, w2s, ids[4:5, :1], weights[4:5, :1])
+    torch.testing.assert_close(out[4:5], alone)
+
+
+def test_packing_matches_compressed_tensors():
+    """Weights packed by compressed-tensors' own ``pack_to_int32`` give the same MoE as our packing."""
+    from compressed_tensors.compressors import pack_to_int32
+
+    torch.manual_seed(2)
+    T, H, I, E, k = 3, 64, 32, 3, 2
+    q13 = torch.randint(-8, 8, (E, 2 * I, H), dtype=torch.int8)
+    q2 = torch.randint(-8, 8, (E, H, I), dtype=torch.int8)
+    s13 = (torch.rand(E, 2 * I, H // 32) * 0.02 + 0.001).to(torch.bfloat16)
+    s2 = (torch.rand(E, H, I // 32) * 0.02 + 0.001).to(torch.bfloat16)
+    ct13, ct2 = pack_to_int32(q13, 4), pack_to_int32(q2, 4)
+    assert torch.equal(ct13, pack_int4(q13)) and torch.equal(ct2, pack_int4(q2))
+    x = torch.randn(T, H)
+    ids, weights = _routing(T, E, k)
+    out = w4a16_moe(x, ct13, s13, ct2, s2, ids, weights)
+    w13 = q13.float() * s13.float().repeat_interleave(32, -1)
+    w2 = q2.float() * s2.float().repeat_interleave(32, -1)
+    torch.testing.assert_close(out, _dense_loop(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_shape_errors_are_clear():
+    w13p, w13s, w2p, w2s = _quantized_experts(2, 64, 32)
+    ids, weights = _routing(3, 2, 1)
+    with pytest.raises(ValueError, match="w13_packed"):
+        w4a16_moe(torch.randn(3, 128), w13p, w13s, w2p, w2s, ids, weights)
+    with pytest.raises(ValueError, match="topk_ids"):
+        w4a16_moe(torch.randn(3, 64), w13p, w13s, w2p, w2s, ids[:2], weights[:2])
+    with pytest.raises(TypeError, match="int64"):
+        w4a16_moe(torch.randn(3, 64), w13p, w13s, w2p, w2s, ids.int(), weights)
+
+
+# ---------------------------------------------------------------- GPU: the CUDA kernels against the reference
+
+
+def _poison_allocator():
+    """Fill memory the caching allocator will hand out next with NaN, so unwritten outputs show."""
+    blocks = [torch.full((1 << 26,), float("nan"), device="cuda")] + [
+        torch.full((1 << 16,), float("nan"), device="cuda") for _ in range(64)]
+    del blocks
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+GPU_SHAPES = [  # T, H, I, E, k, experts used (None: all), share of -1 ids
+    (1, 256, 128, 8, 2, None, 0.0),
+    (7, 512, 256, 16, 4, 10, 0.1),
+    (9, 192, 64, 4, 2, None, 0.0),  # H % 128 == 64: a half K chunk and a half N tile
+    (16, 1024, 192, 64, 8, 40, 0.2),
+    (64, 512, 128, 32, 8, 20, 0.1),
+    (257, 320, 64, 32, 8, None, 0.1),  # several passes per expert; H % 128 == 64
+    (200, 320, 256, 16, 4, None, 0.0),  # wide (256-row) tiles, the last down tile a quarter full
+    (1024, 512, 128, 384, 8, 300, 0.05),
+    (130, 256, 64, 8, 2, 3, 0.0),  # 3 busy experts: ~87 rows each, several passes
+    (16, 7168, 256, 384, 8, None, 0.0),  # K2 TP8 shard
+    (64, 7168, 2048, 48, 8, None, 0.1),  # K2 TP1 width (fewer experts to keep memory small)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k,used,skip", GPU_SHAPES)
+def test_cuda_matches_reference(T, H, I, E, k, used, skip):
+    gen = torch.Generator("cuda").manual_seed(T * 7919 + H + I)
+    w13p, w13s, w2p, w2s = random_int4_experts(E, H, I, "cuda", gen)
+    experts = None if used is None else torch.randperm(E, device="cuda", generator=gen)[:used]
+    for _ in range(2):  # fresh inputs each round
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        ids, weights = _routing(T, E, k, "cuda", experts, skip, gen)
+        _poison_allocator()
+        out = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
+        ref = w4a16_moe_reference(x.float(), w13p, w13s, w2p, w2s, ids, weights)
+        assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+        assert torch.isfinite(out).all()
+        assert _rel_err(out, ref) < 1e-2
+        skipped = (ids < 0).all(1)
+        assert torch.equal(out[skipped], torch.zeros_like(out[skipped]))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager():
+    gen = torch.Generator("cuda").manual_seed(5)
+    T, H, I, E, k = 48, 1024, 256, 64, 8
+    w13p, w13s, w2p, w2s = random_int4_experts(E, H, I, "cuda", gen)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _routing(T, E, k, "cuda", gen=gen)
+    w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        static_out = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    for skip in (0.0, 0.3):  # new routing and activations in the captured buffers
+        x.copy_(torch.randn(T, H, device="cuda", generator=gen))
+        new_ids, new_weights = _routing(T, E, k, "cuda", skip=skip, gen=gen)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        eager = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
+        # Equal up to the order of the fp32 reductions across experts (a last-bit bf16 flip at most).
+        torch.testing.assert_close(static_out, eager, rtol=2 ** -7, atol=1e-6)
+        assert _rel_err(static_out, w4a16_moe_reference(x.float(), w13p, w13s, w2p, w2s, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_unsupported_shapes():
+    w13p, w13s, w2p, w2s = (t.cuda() for t in _quantized_experts(2, 96, 64))
+    ids, weights = _routing(3, 2, 1, "cuda")
+    with pytest.raises(ValueError, match="multiples of 64"):
+        w4a16_moe(torch.randn(3, 96, device="cuda", dtype=torch.bfloat16), w13p, w13s, w2p, w2s, ids, weights)
