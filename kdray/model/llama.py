@@ -1,0 +1,145 @@
+"""Dense Llama-family target (Llama 2/3, SmolLM2, ...): GQA attention over a paged KV cache, SwiGLU MLP.
+
+Prefill runs causal SDPA over each prompt; verify passes run the tree-verify kernel's GQA form over the
+cache. Tensor parallelism splits the attention heads (q/k/v column-parallel, o_proj row-parallel), the
+MLP width and the vocabulary; each shard caches only its own KV heads.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdray.config import Llama3Scaling, LlamaConfig
+from kdray.kernels.tree_verify_attention import gqa_tree_attention
+from kdray.model.batch import ForwardBatch
+from kdray.model.checkpoint import CheckpointReader
+from kdray.model.layers import GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.parallel import SINGLE, shard_range
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
+    """Llama 3.1 scaling of RoPE inverse frequencies ``[dim/2]``: wavelengths beyond the original context /
+    ``low_freq_factor`` are divided by ``factor``, those under context / ``high_freq_factor`` kept, a ramp between."""
+    ctx = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
+    return torch.where(medium, ramped, scaled)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention; query and KV heads split across the tensor-parallel group."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q0, q1 = shard_range(H, group, "num_attention_heads")
+        k0, k1 = shard_range(Hkv, group, "num_key_value_heads")
+        self.heads, self.kv_heads, self.head_dim, self.scale = q1 - q0, k1 - k0, D, D ** -0.5
+        self.q_proj = Linear(cfg.hidden_size, H * D, dtype, tp_dim=0, group=group)
+        self.k_proj = Linear(cfg.hidden_size, Hkv * D, dtype, tp_dim=0, group=group)
+        self.v_proj = Linear(cfg.hidden_size, Hkv * D, dtype, tp_dim=0, group=group)
+        self.o_proj = Linear(H * D, cfg.hidden_size, dtype, tp_dim=1, group=group)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]``, cache ``[P, S, 2, Hkv/tp, D]`` (this layer) -> ``[T, hidden]``."""
+        T, D = x.shape[0], self.head_dim
+        q = rotary(self.q_proj(x).view(T, self.heads, D), cos, sin)  # [T, Hl, D]
+        k = rotary(self.k_proj(x).view(T, self.kv_heads, D), cos, sin)  # [T, Hkvl, D]
+        v = self.v_proj(x).view(T, self.kv_heads, D)
+        cache.view(-1, 2, self.kv_heads, D)[batch.slot_mapping] = torch.stack([k, v], dim=1).to(cache.dtype)
+        if batch.is_prefill:
+            out = self._causal(q, k, v, batch.q_lens)
+        else:
+            out = gqa_tree_attention(q, cache, batch.block_table, batch.prefix_lens, batch.cu_q, batch.tree_mask,
+                                     self.scale)  # [T, Hl, D]
+        return self.o_proj(out.reshape(T, self.heads * D))
+
+    def _causal(self, q, k, v, q_lens: list[int]) -> torch.Tensor:
+        """Causal attention inside each prompt -> ``[T, Hl, D]``."""
+        outs, start = [], 0
+        for n in q_lens:
+            sl = slice(start, start + n)
+            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+            outs.append(o.transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group)
+
+    def forward(self, h, rotary, cos, sin, batch, cache):
+        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.mlp.load(reader, f"{prefix}.mlp")
+
+
+class LlamaModel(nn.Module):
+    """The whole target, with K2Model's interface: ``forward`` returns final hidden states and the requested
+    layers' outputs; a tied LM head shares the embedding's (vocabulary-parallel) weight."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, group=SINGLE):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, group) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
+        if cfg.tie_word_embeddings:
+            self.lm_head.proj.weight = self.embed_tokens.weight  # both [vocab/tp, hidden], same rows
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, interleaved=False)
+        if cfg.rope_scaling is not None:
+            self.rotary.inv_freq.copy_(llama3_inv_freq(self.rotary.inv_freq, cfg.rope_scaling))
+
+    @property
+    def kv_row_shape(self) -> tuple[int, ...]:
+        """Values cached per token and layer on this shard: keys and values of its KV heads."""
+        return (2, self.layers[0].self_attn.kv_heads, self.cfg.head_dim)
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_cache ``[layers, P, S, 2, Hkv/tp, D]`` -> (hidden ``[T, H]`` after the final norm,
+        outputs of ``aux_layer_ids`` concatenated ``[T, len(ids) * H]`` or None)."""
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
+            if i in aux_layer_ids:
+                aux.append(h)
+        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, vocab]`` fp32."""
+        return self.lm_head(hidden)
+
+    def load(self, reader: CheckpointReader):
+        """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...); a tied head reads nothing."""
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        self.norm.load(reader, "model.norm.weight")
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.load(reader, "lm_head.weight")
