@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdray.config import YarnScaling
+from kdray.config import Llama3Scaling, YarnScaling
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.parallel import SINGLE, shard_range
 
@@ -124,11 +124,27 @@ class GatedMLP(nn.Module):
         self.down.load(reader, f"{prefix}.down_proj.weight")
 
 
-def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
+def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
+    """Llama 3.1 scaling of ``[dim/2]`` inverse frequencies: wavelengths beyond the original context /
+    ``low_freq_factor`` divided by ``factor``, those under context / ``high_freq_factor`` kept, a ramp between."""
+    ctx = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
+    return torch.where(medium, ramped, scaled)
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: YarnScaling | Llama3Scaling | None
+                  ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[dim/2]`` and the cos/sin multiplier (YaRN's attention factor, else 1)."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    if yarn is None:
+    if scaling is None:
         return 1.0 / pos_freqs, 1.0
+    if isinstance(scaling, Llama3Scaling):
+        return llama3_inv_freq(1.0 / pos_freqs, scaling), 1.0
+    yarn = scaling
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -152,9 +168,10 @@ class Rotary(nn.Module):
     """RoPE. ``interleaved`` rotates adjacent pairs (DeepSeek) and returns them de-interleaved (as HF does,
     which is harmless: queries and keys share the layout); otherwise the two halves are rotated (NeoX / Llama)."""
 
-    def __init__(self, dim: int, theta: float, yarn: YarnScaling | None = None, interleaved: bool = False):
+    def __init__(self, dim: int, theta: float, scaling: YarnScaling | Llama3Scaling | None = None,
+                 interleaved: bool = False):
         super().__init__()
-        inv, self.attn_factor = rope_inv_freq(dim, theta, yarn)
+        inv, self.attn_factor = rope_inv_freq(dim, theta, scaling)
         self.register_buffer("inv_freq", inv, persistent=False)  # [dim/2]
         self.interleaved = interleaved
 

@@ -6,30 +6,16 @@ MLP width and the vocabulary; each shard caches only its own KV heads.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdray.config import Llama3Scaling, LlamaConfig
+from kdray.config import LlamaConfig
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.layers import GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
 from kdray.model.parallel import SINGLE, shard_range
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
-    """Llama 3.1 scaling of RoPE inverse frequencies ``[dim/2]``: wavelengths beyond the original context /
-    ``low_freq_factor`` are divided by ``factor``, those under context / ``high_freq_factor`` kept, a ramp between."""
-    ctx = s.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
-    medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
-    return torch.where(medium, ramped, scaled)
 
 
 class LlamaAttention(nn.Module):
@@ -109,9 +95,7 @@ class LlamaModel(nn.Module):
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
         if cfg.tie_word_embeddings:
             self.lm_head.proj.weight = self.embed_tokens.weight  # both [vocab/tp, hidden], same rows
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, interleaved=False)
-        if cfg.rope_scaling is not None:
-            self.rotary.inv_freq.copy_(llama3_inv_freq(self.rotary.inv_freq, cfg.rope_scaling))
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=False)
 
     @property
     def kv_row_shape(self) -> tuple[int, ...]:

@@ -53,7 +53,9 @@ def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | 
     if path.suffix == ".gguf":
         from kdray.model.gguf import load_gguf_target
 
-        return load_gguf_target(path, torch_dtype, device, group)
+        loaded = load_gguf_target(path, torch_dtype, device, group)
+        loaded.name = model
+        return loaded
     cfg = load_model_config(path)
     with torch.device(device):
         if cfg.architecture == "k2":
