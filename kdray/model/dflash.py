@@ -116,12 +116,28 @@ class DFlashAttention(nn.Module):
         k = rotary(self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)), cos, sin)
         return torch.stack([k, self.v_proj(x).view(-1, self.kv_heads, self.head_dim)], dim=1)
 
+    def q(self, x: torch.Tensor, rotary: Rotary, cos, sin) -> torch.Tensor:
+        """x ``[n, H]`` -> normed, roped queries ``[n, heads, D]``."""
+        return rotary(self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)), cos, sin)
+
     def forward(self, x, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = self.kv(x, rotary, cos, sin).to(cache.dtype)
-        q = rotary(self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)), cos, sin)
-        o = gqa_tree_attention(q.contiguous(), cache, batch.block_table, batch.prefix_lens, batch.cu_q,
-                               batch.tree_mask, self.head_dim ** -0.5)
+        o = gqa_tree_attention(self.q(x, rotary, cos, sin).contiguous(), cache, batch.block_table, batch.prefix_lens,
+                               batch.cu_q, batch.tree_mask, self.head_dim ** -0.5)
         return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def forward_dense(self, x: torch.Tensor, ctx: torch.Tensor, rotary: Rotary, cos, sin, ctx_cos, ctx_sin,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """Training form, no cache: blocks x ``[B, Q, H]`` and projected context ``[B, S, H]`` (cos/sin per flattened
+        row), mask ``[B, Q, S + Q]`` bool (True: visible) -> ``[B, Q, H]``."""
+        (B, Q, _), S, G = x.shape, ctx.shape[1], self.heads // self.kv_heads
+        kv = torch.cat([self.kv(ctx.flatten(0, 1), rotary, ctx_cos, ctx_sin).view(B, S, 2, self.kv_heads, -1),
+                        self.kv(x.flatten(0, 1), rotary, cos, sin).view(B, Q, 2, self.kv_heads, -1)], dim=1)
+        k, v = (kv[:, :, i].transpose(1, 2).repeat_interleave(G, dim=1) for i in (0, 1))  # [B, heads, S+Q, D]
+        q = self.q(x.flatten(0, 1), rotary, cos, sin).view(B, Q, self.heads, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
+                                           scale=self.head_dim ** -0.5)  # [B, heads, Q, D]
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
 
     def load(self, reader: CheckpointReader, prefix: str):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
@@ -138,6 +154,10 @@ class DFlashLayer(nn.Module):
 
     def forward(self, h, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_dense(self, h, ctx, rotary, cos, sin, ctx_cos, ctx_sin, mask) -> torch.Tensor:
+        h = h + self.self_attn.forward_dense(self.input_layernorm(h), ctx, rotary, cos, sin, ctx_cos, ctx_sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def load(self, reader: CheckpointReader, prefix: str):
@@ -179,6 +199,19 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, self.rotary, cos, sin, batch, cache[i])
+        return self.norm(h)
+
+    def forward_dense(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor,
+                      context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Training forward without a cache: blocks ``[B, Q, H]`` at ``block_positions [B, Q]`` attend to context
+        features ``[B, S, len(ids) * H]`` at ``context_positions [B, S]`` and to the blocks where ``mask [B, Q, S + Q]``
+        is True -> hidden states ``[B, Q, H]`` after the final norm."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [B, S, H]
+        h = block_embeds.to(self.dtype)
+        cos, sin = self.rotary.cos_sin(block_positions.flatten(), h.dtype)
+        ctx_cos, ctx_sin = self.rotary.cos_sin(context_positions.flatten(), h.dtype)
+        for layer in self.layers:
+            h = layer.forward_dense(h, ctx, self.rotary, cos, sin, ctx_cos, ctx_sin, mask)
         return self.norm(h)
 
     def load(self, reader: CheckpointReader):

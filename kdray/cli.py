@@ -1,0 +1,170 @@
+"""The ``kdray`` command: generate, serve, batch and bench.
+
+    kdray generate "The capital of France is" --max-tokens 32
+    kdray serve --model k2-tiny --port 8000
+    kdray batch submit in.jsonl -o out.jsonl --address http://head:8000
+    kdray bench kernels --only tree
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kdray.llm import DEFAULT_MODEL
+
+BENCHMARKS = ("kernels", "e2e", "control")
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    """Flags that pick and shape the engine, shared by ``generate`` and ``serve`` (defaults: ServeArgs)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help=f"a preset name, an HF checkpoint directory or a GGUF file ({DEFAULT_MODEL})")
+    g.add_argument("--drafter", help="a DFlash checkpoint directory, or 'random' (tests)")
+    g.add_argument("--spec", choices=("ddtree", "chain", "ar"), help="default: ddtree with a drafter, ar without")
+    g.add_argument("--budget", type=int, help="draft-tree nodes per sequence per step")
+    g.add_argument("--tp", type=int, help="tensor-parallel shards, one GPU each")
+    g.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
+    g.add_argument("--dtype", help="bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--max-num-seqs", type=int, help="sequences decoded together")
+    g.add_argument("--max-model-len", type=int, help="context length")
+    return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kdray", description="Kimi-K2-class MoE inference with DDTree on Ray")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", parents=[_engine_flags()], help="complete one prompt and print text and tau")
+    gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
+    gen.add_argument("--token-ids", action="store_true", help="the prompt is token ids (models without a tokenizer)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+
+    srv = sub.add_parser("serve", parents=[_engine_flags()], help="run the OpenAI-compatible Serve app")
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--address", help="Ray cluster address (default: start or join a local one)")
+    srv.add_argument("--served-model-name", help="the name clients send as 'model' (default: --model)")
+    srv.add_argument("--api-key", help="require this bearer key (default: $KDRAY_API_KEY)")
+    srv.add_argument("--max-queue", type=int, help="waiting requests beyond --max-num-seqs before 503s")
+    srv.add_argument("--num-replicas", type=int, help="engines, one per replica")
+    srv.add_argument("--batch-dir", help="where /v1/files and /v1/batches keep their data")
+
+    batch = sub.add_parser("batch", help="run OpenAI Batch JSONL files").add_subparsers(dest="batch_command",
+                                                                                        required=True)
+    submit = batch.add_parser("submit", help="send every line to a running server; rerun to resume")
+    submit.add_argument("input", type=Path)
+    submit.add_argument("-o", "--output", type=Path, required=True, help="results JSONL (appended; resumes)")
+    submit.add_argument("--address", default="http://127.0.0.1:8000", help="the server's base URL")
+    submit.add_argument("--api-key", default=os.environ.get("KDRAY_API_KEY"), help="(default: $KDRAY_API_KEY)")
+    submit.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+
+    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (a source checkout)")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    sub.add_parser("train-drafter", add_help=False, help="train a DFlash drafter for a target (see its --help)")
+    return ap
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The flags among ``names`` that were set; ServeArgs supplies the rest."""
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
+ENGINE = ("model", "drafter", "spec", "budget", "tp", "device", "dtype", "max_num_seqs", "max_model_len")
+
+
+def generate(args: argparse.Namespace) -> int:
+    from kdray.engine.request import SamplingParams
+    from kdray.llm import LLM
+    from kdray.serve.app import ServeArgs, resolve_engine_args
+
+    ids = None
+    if args.token_ids:
+        try:
+            ids = [int(t) for t in args.prompt.split(",")]
+        except ValueError:
+            raise ValueError(f"--token-ids: '{args.prompt}' is not a comma-separated list of integers") from None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = LLM(**resolve_engine_args(ServeArgs(**_given(args, *ENGINE))))
+    prompt = {"prompt_token_ids": [ids]} if ids else {"prompts": args.prompt}
+    out = llm.generate(**prompt, sampling_params=params)[0]
+    c, m = out.outputs[0], out.metrics
+    print(c.text if llm.tokenizer is not None else ",".join(map(str, c.token_ids)))
+    print(f"tau {m['tau']:.2f} ({len(c.token_ids)} tokens in {m['steps']} steps, finish: {c.finish_reason})",
+          file=sys.stderr)
+    return 0
+
+
+def serve_forever(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from kdray.serve import app
+
+    ray.init(address=args.address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    options = _given(args, *ENGINE, "served_model_name", "api_key", "max_queue", "num_replicas", "batch_dir")
+    try:
+        serve.run(app(options), name="kdray", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:  # Ctrl-C: tear the app down, as `serve run` does
+        serve.shutdown()
+    return 0
+
+
+def batch_submit(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kdray.serve.batch import submit
+
+    bar = None
+
+    def start(done: int, total: int):
+        nonlocal bar
+        bar = tqdm(total=total, initial=done, unit="req", desc=args.input.name)
+
+    unsent = asyncio.run(submit(args.input, args.output, args.address, args.api_key, args.concurrency,
+                                on_start=start, on_result=lambda: bar.update(1)))
+    bar.close()
+    if unsent:
+        print(f"{len(unsent)} requests got no answer from {args.address}; run the same command again to send "
+              "only those", file=sys.stderr)
+        return 1
+    print(f"all results are in {args.output}", file=sys.stderr)
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{args.name}.py"
+    if not script.is_file():
+        print(f"{script} not found: kdray bench runs the benchmarks of a source checkout", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.args])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-drafter"]:  # its flags are kdray.train_drafter's own
+        from kdray.train_drafter import main as train_drafter
+
+        return train_drafter(argv[1:])
+    args = _parser().parse_args(argv)
+    command = {"generate": generate, "serve": serve_forever, "batch": batch_submit, "bench": bench}[args.command]
+    try:
+        return command(args)
+    except ValueError as e:  # kdray's configuration errors say what to fix: no traceback needed
+        print(f"kdray {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

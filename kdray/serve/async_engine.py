@@ -1,0 +1,238 @@
+"""The synchronous engine behind asyncio: one thread steps it while requests exist.
+
+Only the engine thread touches the engine. Callers hand it commands (add, abort) through a
+condition variable and receive outputs on a per-submission ``asyncio.Queue``; the waiting queue is
+bounded, so a full server refuses work (:class:`QueueFull`) instead of queueing without limit.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kdray.engine.request import RequestOutput, SamplingParams
+from kdray.serve.metrics import Metrics
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is at its bound; retry after ``retry_after`` seconds."""
+
+    def __init__(self, capacity: int, retry_after: int = 1):
+        super().__init__(f"the server is at capacity ({capacity} requests running or queued); "
+                         f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped on an error; the replica must be replaced."""
+
+
+class RequestStream:
+    """Outputs of one submission (one or more engine requests), in the order the engine emits them.
+
+    Iterate it with ``async for``; :meth:`abort` stops every request still running and frees its pages.
+    Outputs carry cumulative text and token ids, so a slow reader gets only the newest of each request.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_ids: list[str]):
+        self._owner, self._unfinished = owner, set(request_ids)
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+        self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def _put(self, item: RequestOutput | BaseException):
+        self._items.append(item)
+        self._ready.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while (isinstance(item, RequestOutput) and not item.finished and self._items
+               and getattr(self._items[0], "request_id", None) == item.request_id):
+            item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    def abort(self):
+        """Stop what is still running (no-op once everything finished)."""
+        if self._unfinished:
+            self._owner._submit(("abort", sorted(self._unfinished)))
+            self._unfinished.clear()
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one running engine request."""
+
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+    first_token: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # already counted in the step metrics
+
+
+class AsyncEngine:
+    """Owns the engine thread. ``await generate(...)`` admits requests and returns their stream.
+
+    At most ``max_num_seqs + max_queue`` engine requests are in flight (running or waiting); more
+    raise :class:`QueueFull`.
+    """
+
+    def __init__(self, engine, max_num_seqs: int, max_queue: int, metrics: Metrics):
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue} must be >= 0")
+        self.engine, self.metrics = engine, metrics
+        self.capacity = max_num_seqs + max_queue
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []
+        self._pending = 0  # requests handed over but not yet added to the engine
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._waiting = 0  # engine.num_waiting() after the engine thread's last step
+        self._stopped = False
+        metrics.bind(queue_length=lambda: self._pending + self._waiting,
+                     running=lambda: max(0, len(self._live) - self._waiting), free_pages=engine.free_pages)
+        self._thread = threading.Thread(target=self._loop, name="kdray-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> RequestStream:
+        """Admit ``(request_id, prompt_token_ids, params)`` requests together and return their stream.
+
+        The engine's ``ValueError`` (a bad prompt), :class:`QueueFull` and :class:`EngineDead` are raised
+        here, before any output; cancelling the caller aborts the requests.
+        """
+        self.check()
+        stream = RequestStream(self, [r[0] for r in requests])
+        with self._cond:
+            if self._pending + len(self._live) + len(requests) > self.capacity:
+                raise QueueFull(self.capacity)
+            self._pending += len(requests)
+            self._commands.append(("add", stream, asyncio.get_running_loop(), list(requests), time.perf_counter()))
+            self._cond.notify()
+        try:
+            await asyncio.shield(stream.admitted)
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+    def check(self):
+        """Raise :class:`EngineDead` if the engine thread is gone."""
+        if self.error is not None or not self._thread.is_alive():
+            raise self.error or EngineDead("the engine thread is not running")
+
+    def shutdown(self):
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _submit(self, command: tuple):
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _loop(self):
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self.engine.has_unfinished_requests() and not self._stopped:
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                    commands, self._commands = self._commands, []
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._waiting = self.engine.num_waiting()
+        except BaseException as e:  # every caller must hear about it
+            self.error = dead = EngineDead(f"the engine stopped: {e!r}")
+            for live in self._live.values():
+                _deliver(live.loop, live.stream._put, dead)
+            self._live.clear()
+            with self._cond:
+                for command in self._commands:
+                    if command[0] == "add":
+                        _deliver(command[2], _settle, command[1].admitted, dead)
+                self._commands.clear()
+            raise
+
+    def _apply(self, command: tuple):
+        if command[0] == "abort":
+            for rid in command[1]:
+                if self._live.pop(rid, None) is not None:
+                    self.engine.abort_request(rid)
+            return
+        _, stream, loop, requests, submitted = command
+        added = []
+        try:
+            for rid, ids, params in requests:
+                self.engine.add_request(rid, ids, params)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - handed to the caller (ValueError: a bad request)
+            for rid in added:
+                self.engine.abort_request(rid)
+            _deliver(loop, _settle, stream.admitted, e)
+        else:
+            for rid in added:
+                self._live[rid] = _Live(stream, loop, submitted)
+            _deliver(loop, _settle, stream.admitted, None)
+        finally:
+            with self._cond:
+                self._pending -= len(requests)
+
+    def _step(self):
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        stages: dict[str, float] = {}
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            # The engine splits each stage's time over the step's batch, so the increments add up to it.
+            for stage, total in out.metrics.get("seconds", {}).items():
+                stages[stage] = stages.get(stage, 0.0) + total - live.stage_seconds.get(stage, 0.0)
+                live.stage_seconds[stage] = total
+            if live.first_token is None and out.outputs[0].token_ids:
+                live.first_token = now
+                self.metrics.first_token(now - live.submitted)
+            if out.finished:
+                del self._live[out.request_id]
+                self.metrics.finished(out, now - live.first_token if live.first_token else 0.0)
+            _deliver(live.loop, live.stream._put, out)
+        self.metrics.step(now - t0, stages)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fn, *args):
+    """Run ``fn(*args)`` on ``loop``; a closed loop (replica shutting down) has nobody left to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None):
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

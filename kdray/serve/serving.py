@@ -1,0 +1,185 @@
+"""OpenAI completions and chat completions on an :class:`AsyncEngine`.
+
+A request becomes ``len(prompts) * n`` engine requests (choice ``i * n + j`` is prompt ``i``'s
+``j``-th sample); their outputs become one response body, or a stream of SSE chunks.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from kdray.engine.request import RequestOutput, SamplingParams
+from kdray.serve.async_engine import AsyncEngine, RequestStream
+from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest,
+                                  sse, usage, validate)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class OpenAIServing:
+    """Turns validated OpenAI requests into engine requests and engine outputs into OpenAI bodies."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kdray", "max_model_len": self.max_model_len}]}
+
+    async def completions(self, data: dict) -> dict | AsyncIterator[str]:
+        """``POST /v1/completions``: a response body, or SSE text when ``stream`` is true."""
+        req = validate(CompletionRequest, data)
+        self._check_model(req.model)
+        prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompt]
+        return await self._generate(req, prompts, chat=False)
+
+    async def chat(self, data: dict) -> dict | AsyncIterator[str]:
+        """``POST /v1/chat/completions``: the prompt is the tokenizer's chat template over ``messages``."""
+        req = validate(ChatCompletionRequest, data)
+        self._check_model(req.model)
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise APIError(400, f"messages: model '{self.model_name}' has no tokenizer with a chat template, so it "
+                           "cannot serve chat completions; use /v1/completions (with token ids when it has no "
+                           "tokenizer)",
+                           param="messages", code="chat_template_missing")
+        text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+        return await self._generate(req, [self.tokenizer.encode(text)], chat=True)
+
+    async def respond(self, url: str, body: dict) -> tuple[int, dict]:
+        """One non-streaming request as ``(status, body)``: what a batch job records per line."""
+        handler = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat}[url]
+        if body.get("stream"):
+            err = APIError(400, "stream: batch requests cannot stream; leave it out", param="stream")
+            return err.status, err.body()
+        try:
+            return 200, await handler(body)
+        except APIError as e:
+            return e.status, e.body()
+
+    def _check_model(self, model: str):
+        if model != self.model_name:
+            raise APIError(400, f"model: '{model}' is not served here; this server serves '{self.model_name}' "
+                           "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, f"prompt: model '{self.model_name}' has no tokenizer; send the prompt as a list of "
+                           "token ids", param="prompt", code="tokenizer_missing")
+        return self.tokenizer.encode(text)
+
+    def _max_tokens(self, req: GenerationRequest, prompt_len: int, chat: bool) -> int:
+        field = "messages" if chat else "prompt"
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"{field}: {prompt_len} tokens leave no room in the context of {self.max_model_len} "
+                           "tokens; shorten it", param=field, code="context_length_exceeded")
+        wanted = req.max_tokens or (room if chat else DEFAULT_COMPLETION_TOKENS)
+        if wanted > room:
+            raise APIError(400, f"max_tokens: {wanted} new tokens plus the {prompt_len}-token prompt exceed the "
+                           f"context of {self.max_model_len}; ask for at most {room}", param="max_tokens",
+                           code="context_length_exceeded")
+        return wanted
+
+    async def _generate(self, req: GenerationRequest, prompts: list[list[int]], chat: bool):
+        if req.stop and self.tokenizer is None:
+            raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
+                           "leave the field out", param="stop")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        requests = []
+        for i, ids in enumerate(prompts):
+            max_tokens = self._max_tokens(req, len(ids), chat)
+            for j in range(req.n):
+                params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                        top_k=max(req.top_k, 0), seed=None if req.seed is None else req.seed + j,
+                                        stop=req.stop, ignore_eos=req.ignore_eos)
+                requests.append((f"{rid}-{i * req.n + j}", ids, params))
+        if len(requests) > self.engine.capacity:
+            raise APIError(400, f"n: {len(prompts)} prompts x n={req.n} make {len(requests)} requests, more than this "
+                           f"server takes at once ({self.engine.capacity}); split the request", param="n")
+        response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)))
+        try:
+            stream = await self.engine.generate(requests)
+        except ValueError as e:  # the engine refused the prompt
+            raise APIError(400, str(e), code="invalid_prompt") from None
+        if req.stream:
+            return response.sse(stream)
+        try:
+            final: dict[str, RequestOutput] = {}
+            async for out in stream:
+                if out.finished:
+                    final[out.request_id] = out
+        finally:
+            stream.abort()
+        return response.body([final[r[0]] for r in requests])
+
+
+class _Response:
+    """The OpenAI body shapes of one request: a whole response or its SSE chunks."""
+
+    def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int):
+        self.rid, self.model, self.chat, self.choices, self.prompt_tokens = rid, model, chat, choices, prompt_tokens
+        self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
+        self.hold = max(map(len, req.stop), default=1) - 1  # text that may yet turn out to start a stop string
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, index: int, text: str, token_ids: list[int], finish: str | None, delta: bool) -> dict:
+        if not self.chat:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        elif delta:
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        if self.token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def body(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for index, out in enumerate(outputs):
+            c = out.outputs[0]
+            choices.append(self._choice(index, c.text, c.token_ids, c.finish_reason, delta=False))
+            if self.token_ids:
+                choices[-1]["prompt_token_ids"] = out.prompt_token_ids
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(self.prompt_tokens, generated)}
+
+    async def sse(self, stream: RequestStream) -> AsyncIterator[str]:
+        """SSE text: per choice, the role first (chat), then text deltas, then the finish reason.
+
+        A running request's text is sent only as far as it is settled: not a tail that could still become
+        a stop string (which is cut from the output) nor half a UTF-8 character.
+        """
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        sent_text, sent_ids = [""] * self.choices, [0] * self.choices
+        try:
+            if self.chat:
+                for index in range(self.choices):
+                    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}
+                    yield sse({**self._head(obj), "choices": [first]})
+            async for out in stream:
+                index = int(out.request_id.rsplit("-", 1)[1])
+                c = out.outputs[0]
+                settled = c.text if out.finished else c.text[:len(c.text) - self.hold].rstrip("\ufffd")
+                text, ids = settled[len(sent_text[index]):], c.token_ids[sent_ids[index]:]
+                if text:
+                    sent_text[index] = settled
+                sent_ids[index] = len(c.token_ids)
+                if text or ids or c.finish_reason:
+                    yield sse({**self._head(obj), "choices": [self._choice(index, text, ids, c.finish_reason, True)]})
+            if self.include_usage:
+                yield sse({**self._head(obj), "choices": [], "usage": usage(self.prompt_tokens, sum(sent_ids))})
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - the status line is gone: report the error in the stream
+            yield sse(APIError(500, f"generation failed: {e}", code="engine_error").body())
+        finally:
+            stream.abort()

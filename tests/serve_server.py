@@ -1,0 +1,80 @@
+"""A real Ray Serve instance on localhost for the serve and batch tests, and the tiny models they use."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import requests
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_chat_checkpoint(path: Path) -> Path:
+    """k2-tiny's weights beside a byte-level BPE tokenizer (1024 ids, ``</s>`` = 1) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kdray.model.presets import k2_tiny_path
+
+    path.mkdir(parents=True, exist_ok=True)
+    src = k2_tiny_path()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, path / name)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+                             "kdray serves mixture of experts models on ray"] * 10, trainer)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    tok.add_tokens([f"<x{i}>" for i in range(vocab - tok.get_vocab_size())])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+@contextlib.contextmanager
+def serve_apps(apps: dict[str, dict], num_cpus: int = 6):
+    """Start Ray and Serve on a free localhost port with ``{route_prefix: builder args}``; yield the base URL."""
+    import ray
+    from ray import serve
+
+    from kdray.serve import app
+
+    port = free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for i, (prefix, args) in enumerate(apps.items()):
+            serve.run(app(args), name=f"app{i}", route_prefix=prefix, blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        for prefix in apps:
+            while requests.get(f"{base}{prefix.rstrip('/')}/health", timeout=10).status_code != 200:
+                assert time.monotonic() < deadline, f"the app at {prefix} did not become healthy"
+                time.sleep(0.2)
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def metric(base: str, name: str) -> float:
+    """One unlabelled sample of ``name`` from ``GET /metrics``."""
+    for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
