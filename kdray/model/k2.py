@@ -15,7 +15,7 @@ from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.layers import DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
 from kdray.model.parallel import SINGLE, shard_range
 
 # HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
@@ -236,7 +236,7 @@ class K2DecoderLayer(nn.Module):
         self.mlp.load(reader, f"{prefix}.mlp")
 
 
-class K2Model(nn.Module):
+class K2Model(DecoderLM):
     """The whole target: ``forward`` returns final hidden states and the requested layers' outputs."""
 
     def __init__(self, cfg: K2Config, dtype: torch.dtype = torch.float32, group=SINGLE, expert_parallel=False):
@@ -253,23 +253,6 @@ class K2Model(nn.Module):
     def kv_row_shape(self) -> tuple[int, ...]:
         """Values cached per token and layer (the MLA latent and the roped key)."""
         return (self.cfg.kv_cache_dim,)
-
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """kv_cache ``[layers, P, S, kv_lora + rope]`` -> (hidden ``[T, H]`` after the final norm,
-        outputs of ``aux_layer_ids`` concatenated ``[T, len(ids) * H]`` or None)."""
-        h = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
-            if i in aux_layer_ids:
-                aux.append(h)
-        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` -> ``[T, vocab]`` fp32."""
-        return self.lm_head(hidden)
 
     def load(self, reader: CheckpointReader):
         self.embed_tokens.load(reader, "model.embed_tokens.weight")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import Llama3Scaling, YarnScaling
+from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.parallel import SINGLE, shard_range
 
@@ -188,3 +189,25 @@ class Rotary(nn.Module):
             x1, x2 = x.chunk(2, dim=-1)
         c, s = cos[:, None, :], sin[:, None, :]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class DecoderLM(nn.Module):
+    """The decoder loop every target shares; subclasses build ``embed_tokens``, ``layers`` (each called as
+    ``layer(h, rotary, cos, sin, batch, layer_cache)``), ``norm``, ``lm_head`` and ``rotary``."""
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_cache ``[layers, P, S, *kv_row_shape]`` -> (hidden ``[T, H]`` after the final norm,
+        outputs of the decoder layers ``aux_layer_ids`` concatenated ``[T, len(ids) * H]``, or None)."""
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
+            if i in aux_layer_ids:
+                aux.append(h)
+        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, vocab]`` fp32."""
+        return self.lm_head(hidden)

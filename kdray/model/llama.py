@@ -14,7 +14,7 @@ from kdray.config import LlamaConfig
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.layers import DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
 from kdray.model.parallel import SINGLE, shard_range
 
 
@@ -82,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp.load(reader, f"{prefix}.mlp")
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderLM):
     """The whole target, with K2Model's interface: ``forward`` returns final hidden states and the requested
     layers' outputs; a tied LM head shares the embedding's (vocabulary-parallel) weight."""
 
@@ -101,23 +101,6 @@ class LlamaModel(nn.Module):
     def kv_row_shape(self) -> tuple[int, ...]:
         """Values cached per token and layer on this shard: keys and values of its KV heads."""
         return (2, self.layers[0].self_attn.kv_heads, self.cfg.head_dim)
-
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """kv_cache ``[layers, P, S, 2, Hkv/tp, D]`` -> (hidden ``[T, H]`` after the final norm,
-        outputs of ``aux_layer_ids`` concatenated ``[T, len(ids) * H]`` or None)."""
-        h = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
-            if i in aux_layer_ids:
-                aux.append(h)
-        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` -> ``[T, vocab]`` fp32."""
-        return self.lm_head(hidden)
 
     def load(self, reader: CheckpointReader):
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...); a tied head reads nothing."""
