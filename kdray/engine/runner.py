@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kdray.config import SpecConfig
+from kdray.engine.cuda_graphs import GraphedPass
 from kdray.engine.sequence import Sequence
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
@@ -27,7 +28,7 @@ class StepResult:
     seconds: dict[str, float]  # per stage, for the whole batch
 
 
-class _Stages:
+class StageTimer:
     """Wall time per stage; on a GPU it synchronises at stage ends when ``sync`` is set."""
 
     def __init__(self, sync: bool):
@@ -51,27 +52,37 @@ def root_only_tree(roots: torch.Tensor) -> DraftTree:
 
 
 class ModelRunner:
+    """Prefill and speculative steps over paged KV caches. In-process one runner does all of it. On Ray a
+    shard's runner verifies (no drafter: trees arrive from the drafter actor; ``aux_layer_ids`` names the
+    target layers whose hidden states it keeps for the drafter) and the drafter actor's runner proposes
+    (its ``target`` holds only the embedding and LM head, so ``target_kv=False``)."""
+
     def __init__(self, target, drafter: DFlashDrafter | None, spec: SpecConfig, num_pages: int, page_size: int,
-                 device: torch.device, profile_stages: bool = True):
+                 device: torch.device, profile_stages: bool = True, cuda_graphs: bool = False,
+                 max_pages_per_seq: int | None = None, aux_layer_ids: tuple[int, ...] = (), target_kv: bool = True):
         self.target, self.drafter, self.spec = target, drafter, spec
+        self.max_pages_per_seq = max_pages_per_seq  # fixed block-table width, so captured graphs are reused
         self.device, self.page_size = torch.device(device), page_size
         self.profile_stages = profile_stages and self.device.type == "cuda"
         m = target.model
         self.kv = torch.zeros(m.cfg.num_hidden_layers, num_pages, page_size, *m.kv_row_shape, dtype=m.dtype,
-                              device=device)  # [layers, P, S, *row]
-        self.aux_ids: tuple[int, ...] = ()
+                              device=device) if target_kv else None  # [layers, P, S, *row]
+        self.aux_ids: tuple[int, ...] = tuple(aux_layer_ids)
         if drafter is not None and spec.mode != "ar":
             self.draft_kv = torch.zeros(drafter.cfg.num_hidden_layers, num_pages, page_size, *drafter.kv_row_shape,
                                         dtype=drafter.dtype, device=device)  # [d_layers, P, S, 2, Hkv, D]
             self.aux_ids = drafter.cfg.target_layer_ids
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self._verify_pass = GraphedPass(self._target_pass) if graphs else self._target_pass
+        self._block_pass = GraphedPass(self._drafter_pass) if graphs else self._drafter_pass
 
     @property
     def slack_tokens(self) -> int:
         """Cache positions past the committed length that a step writes (tree slots or the draft block)."""
         return max(self.spec.nodes + 1, self.spec.depth + 1)
 
-    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.pages) for s in seqs)
+    def block_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = self.max_pages_per_seq or max(len(s.pages) for s in seqs)
         table = torch.zeros(len(seqs), width, dtype=torch.int32)  # [B, max_pages]
         for i, s in enumerate(seqs):
             table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
@@ -91,7 +102,7 @@ class ModelRunner:
         lens = [len(s.prompt_ids) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.prompt_ids], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        batch = ForwardBatch.build(ids, positions, lens, [0] * len(seqs), self._block_table(seqs), self.page_size,
+        batch = ForwardBatch.build(ids, positions, lens, [0] * len(seqs), self.block_table(seqs), self.page_size,
                                    None)
         hidden, aux = self.target.model(batch, self.kv, self.aux_ids)
         last = batch.cu_q[1:].long() - 1  # [B]
@@ -105,12 +116,12 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> StepResult:
         """One speculative step for sequences that all have a bonus token and a cached prefix."""
-        stages = _Stages(self.profile_stages)
-        block_table = self._block_table(seqs)
+        stages = StageTimer(self.profile_stages)
+        block_table = self.block_table(seqs)
         tree = self.propose(seqs, block_table, stages)
         return self.verify(seqs, tree, block_table, stages)
 
-    def propose(self, seqs: list[Sequence], block_table: torch.Tensor, stages: _Stages) -> DraftTree:
+    def propose(self, seqs: list[Sequence], block_table: torch.Tensor, stages: StageTimer) -> DraftTree:
         """Draft and build: each sequence's tree rooted at its bonus token (the root alone for AR)."""
         roots = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
         if self.spec.mode == "ar":
@@ -123,7 +134,8 @@ class ModelRunner:
         stages.end("build")
         return tree
 
-    def verify(self, seqs: list[Sequence], tree: DraftTree, block_table: torch.Tensor, stages: _Stages) -> StepResult:
+    def verify(self, seqs: list[Sequence], tree: DraftTree, block_table: torch.Tensor,
+               stages: StageTimer) -> StepResult:
         """Verify the trees in one target pass, accept the longest matching paths and commit their KV;
         the accepted nodes' hidden states become each sequence's pending drafter context."""
         B = len(seqs)
@@ -135,8 +147,7 @@ class ModelRunner:
         positions = (prefix[:, None] + tree.depths).long()[valid]  # [T]
         batch = ForwardBatch.build(tree.tokens[valid], positions, q_lens, prefix_host, block_table, self.page_size,
                                    tree.mask)
-        hidden, aux = self.target.model(batch, self.kv, self.aux_ids)
-        logits = self.target.model.logits(hidden)  # [T, V]
+        logits, aux = self._verify_pass(batch)  # [T, V], [T, F] or None
         stages.end("verify")
 
         flat_choice = choose_tokens(logits, positions, self._row_params(seqs, q_lens))  # [T]
@@ -145,7 +156,7 @@ class ModelRunner:
                                                        self.spec.depth)
         stages.end("accept")
 
-        kv_compact(self.kv, block_table, prefix, accepted, accept_len)
+        kv_compact(self.kv.flatten(3), block_table, prefix, accepted, accept_len)  # rows [layers, P, S, R]
         kept = accepted.clamp(min=0).long()  # [B, 1+L]
         tokens = tree.tokens.gather(1, kept)  # [B, 1+L]
         rows = batch.cu_q[:-1, None].long() + kept  # [B, 1+L] rows of this pass
@@ -180,6 +191,16 @@ class ModelRunner:
         see_all = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=self.device)).expand(B, blk, -1)
         batch = ForwardBatch.build(tokens.reshape(-1), positions, [blk] * B, prefix_host, block_table,
                                    self.page_size, see_all.contiguous())
-        hidden = d(self.target.model.embed_tokens(tokens.reshape(-1)), batch, self.draft_kv)  # [B*blk, H]
+        return self._block_pass(batch)[0]
+
+    def _target_pass(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target forward and LM head: (logits ``[T, V]``, drafter features ``[T, F]`` or None)."""
+        hidden, aux = self.target.model(batch, self.kv, self.aux_ids)
+        return self.target.model.logits(hidden), aux
+
+    def _drafter_pass(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """Drafter over the blocks ``[bonus, MASK x L]`` -> draft logits ``[B, L, V]`` at positions 1..L."""
+        B, blk = batch.cu_q.shape[0] - 1, self.spec.block_size
+        hidden = self.drafter(self.target.model.embed_tokens(batch.input_ids), batch, self.draft_kv)  # [B*blk, H]
         hidden = hidden.view(B, blk, -1)[:, 1:].reshape(B * (blk - 1), -1).to(self.target.model.dtype)
-        return self.target.model.logits(hidden).view(B, blk - 1, -1)
+        return (self.target.model.logits(hidden).view(B, blk - 1, -1),)

@@ -1,0 +1,138 @@
+"""The engine on Ray actors (CPU: gloo groups, a local cluster): token for token the in-process greedy
+DDTree output at TP = 2 and 4, with expert parallelism and on INT4 checkpoints; a killed shard fails its
+request with a clear error, and the engine then serves the next one."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from k2_checkpoints import make_hf_k2, quantize_experts_int4
+
+from kdray import LLM, SamplingParams
+from kdray.actors.communicator import CommunicatorTimeout, GlooGroup, NcclGroup
+from kdray.config import K2Config
+from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
+
+ray = pytest.importorskip("ray")
+
+NUM_CPUS = 5  # TP = 4 shards and the drafter, one bundle each
+GEN = torch.Generator().manual_seed(11)
+PROMPTS = [torch.randint(2, 1000, (n,), generator=GEN).tolist() for n in (3, 17, 9, 30)]
+SPEC = {"drafter": "random", "spec": "ddtree", "budget": 16, "block_size": 4, "num_pages": 96}
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def generate(model: str, prompts, max_tokens: int, **kw):
+    """Greedy DDTree tokens in-process (no ``tp``) or on Ray actors; the actors are released afterwards."""
+    with LLM(model=model, **SPEC, **kw) as llm:
+        return tokens(llm.generate(prompt_token_ids=prompts,
+                                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=NUM_CPUS, include_dashboard=False, logging_level="ERROR")
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory):
+    """A transformers-made K2 with INT4 experts wide enough (128) for TP = 4 at group size 32."""
+    pytest.importorskip("compressed_tensors")
+    root = tmp_path_factory.mktemp("int4k2")
+    make_hf_k2(root / "dense", "grouped", seed=3, moe_inner=128)
+    quantize_experts_int4(root / "dense", root / "int4")
+    return str(root / "int4")
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """k2-tiny with 8 tokens: random draft trees then hold the true continuation often, so steps accept
+    several tokens (the multi-token commit and feature hand-off paths)."""
+    cfg = dict(K2_TINY, vocab_size=8, eos_token_id=None)
+    path = tmp_path_factory.mktemp("vocab8")
+    write_checkpoint(path, cfg, k2_random_tensors(K2Config.from_hf(cfg), seed=5))
+    return str(path)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp):
+    reference = generate("k2-tiny", PROMPTS, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(model="k2-tiny", **SPEC, tp=tp, distributed="ray") as llm:
+        assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == reference
+        pg = llm.engine.gang.placement_group
+    deadline = time.monotonic() + 30  # resources come back asynchronously
+    while ray.available_resources().get("CPU", 0) < NUM_CPUS and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == NUM_CPUS
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+@pytest.mark.parametrize("tp,ep", [(2, False), (4, False), (2, True)])
+def test_int4_checkpoint_on_ray_equals_in_process(cluster, int4_checkpoint, tp, ep):
+    prompts = [[t % 320 for t in p] for p in PROMPTS]
+    reference = generate(int4_checkpoint, prompts, 16)
+    assert generate(int4_checkpoint, prompts, 16, tp=tp, expert_parallel=ep, distributed="ray") == reference
+
+
+def test_killed_shard_fails_its_request_clearly_and_the_next_succeeds(cluster, small_vocab):
+    from kdray.actors.channel import WorkerFailure
+
+    prompts = [[t % 8 for t in p] for p in PROMPTS]
+    reference = generate(small_vocab, prompts, 24)
+    with LLM(model=small_vocab, **SPEC, tp=2, distributed="ray") as llm:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert tokens(outs) == reference
+        assert max(o.metrics["tau"] for o in outs) > 1  # multi-token steps happened
+        first = llm.engine.gang
+        killer = threading.Timer(1.0, ray.kill, [first.shards[1]])
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"shard 1 died") as failure:
+            llm.generate(prompt_token_ids=[prompts[3]],
+                         sampling_params=SamplingParams(max_tokens=1200, ignore_eos=True))
+        killer.join()
+        assert time.monotonic() - start < 30
+        assert len(failure.value.request_ids) == 1
+        assert tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
+        assert llm.engine.gang is not first
+
+
+def test_group_join_timeout_names_the_absent_rank():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    with pytest.raises(CommunicatorTimeout, match=r"rank\(s\) \[1\] of 2 did not join"):
+        GlooGroup(store, "tp", 0, 2, timeout_s=1.0)
+
+
+@pytest.mark.gpu
+def test_tp1_with_the_drafter_sharing_the_gpu_equals_in_process(cluster):
+    on_gpu = {"device": "cuda", "dtype": "bfloat16"}
+    reference = generate("k2-tiny", PROMPTS, 24, **on_gpu)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(model="k2-tiny", **SPEC, **on_gpu, tp=1, distributed="ray") as llm:
+        assert llm.engine.gang.placement_group.bundle_specs == [{"CPU": 2, "GPU": 1}]  # shard 0 and the drafter
+        assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == reference
+
+
+@pytest.mark.gpu
+def test_nccl_group_reduces_gathers_and_broadcasts_on_torch_stream():
+    pytest.importorskip("cupy")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    group = NcclGroup(store, "tp", 0, 1, timeout_s=30)
+    t = torch.arange(6, dtype=torch.bfloat16, device="cuda").view(2, 3)
+    assert torch.equal(group.all_reduce(t.clone()), t)
+    assert torch.equal(group.all_gather(t, dim=-1), t)
+    assert torch.equal(group.broadcast(t.int().contiguous(), 0), t.int())
