@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kdray.llm import DEFAULT_MODEL
 
-BENCHMARKS = ("kernels", "e2e", "control")
+BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py"}  # name -> benchmarks/ file
 
 
 def _engine_flags() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--concurrency", type=int, default=16, help="requests in flight")
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (a source checkout)")
-    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("name", choices=list(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     sub.add_parser("train-drafter", add_help=False, help="train a DFlash drafter for a target (see its --help)")
     return ap
@@ -144,7 +144,7 @@ def batch_submit(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{args.name}.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / BENCHMARKS[args.name]
     if not script.is_file():
         print(f"{script} not found: kdray bench runs the benchmarks of a source checkout", file=sys.stderr)
         return 2

@@ -93,9 +93,11 @@ def k2_random_tensors(cfg: K2Config, seed: int, int4_experts: bool = False) -> d
 def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor]):
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (atomically replaced)."""
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "model.safetensors.tmp"
+    tmp = path / f"model.safetensors.{os.getpid()}.tmp"  # one per writer: concurrent first uses do not collide
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
+    cfg_tmp = path / f"config.json.{os.getpid()}.tmp"
+    cfg_tmp.write_text(json.dumps(config, indent=1))
+    cfg_tmp.replace(path / "config.json")
     tmp.replace(path / "model.safetensors")
 
 

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kdray.actors.channel import WorkerFailure
 from kdray.engine.request import RequestOutput, SamplingParams
 from kdray.serve.metrics import Metrics
 
@@ -200,7 +201,14 @@ class AsyncEngine:
 
     def _step(self):
         t0 = time.perf_counter()
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except WorkerFailure as e:  # a Ray actor died: its requests fail, the engine rebuilds for the rest
+            for rid in e.request_ids:
+                live = self._live.pop(rid, None)
+                if live is not None:
+                    _deliver(live.loop, live.stream._put, e)
+            return
         now = time.perf_counter()
         stages: dict[str, float] = {}
         for out in outputs:
