@@ -20,7 +20,7 @@ from torch import nn
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import GatedMLP, Linear, RMSNorm, Rotary
+from kdray.model.layers import DecoderLayer, GatedMLP, Linear, RMSNorm, Rotary
 
 
 @dataclass(frozen=True)
@@ -144,27 +144,17 @@ class DFlashAttention(nn.Module):
             getattr(self, name).load(reader, f"{prefix}.{name}.weight")
 
 
-class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype):
-        super().__init__()
-        self.self_attn = DFlashAttention(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+class DFlashLayer(DecoderLayer):
+    """A Qwen3 decoder layer whose attention also sees the context keys/values; ``forward_dense`` is the
+    training form (no cache, a block-sparse mask)."""
 
-    def forward(self, h, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype):
+        super().__init__(DFlashAttention(cfg, dtype), GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype),
+                         cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward_dense(self, h, ctx, rotary, cos, sin, ctx_cos, ctx_sin, mask) -> torch.Tensor:
         h = h + self.self_attn.forward_dense(self.input_layernorm(h), ctx, rotary, cos, sin, ctx_cos, ctx_sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    def load(self, reader: CheckpointReader, prefix: str):
-        self.self_attn.load(reader, f"{prefix}.self_attn")
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
-        self.mlp.load(reader, f"{prefix}.mlp")
 
 
 class DFlashDrafter(nn.Module):

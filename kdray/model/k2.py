@@ -15,7 +15,7 @@ from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
 from kdray.model.parallel import SINGLE, shard_range
 
 # HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
@@ -216,26 +216,6 @@ def _check_int4_shape(reader: CheckpointReader, prefix: str, shape: tuple[int, i
         raise ValueError(f"{reader.path}: tensor '{prefix}.weight_shape' says {list(found)}, expected {list(shape)}")
 
 
-class K2DecoderLayer(nn.Module):
-    def __init__(self, cfg: K2Config, index: int, dtype: torch.dtype, group=SINGLE, expert_parallel=False):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLAttention(cfg, dtype, group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = (GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group) if index < cfg.first_k_dense_replace
-                    else MoE(cfg, dtype, group, expert_parallel))
-
-    def forward(self, h, rotary, cos, sin, batch, cache):
-        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def load(self, reader: CheckpointReader, prefix: str):
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
-        self.self_attn.load(reader, f"{prefix}.self_attn")
-        self.mlp.load(reader, f"{prefix}.mlp")
-
-
 class K2Model(DecoderLM):
     """The whole target: ``forward`` returns final hidden states and the requested layers' outputs."""
 
@@ -243,8 +223,12 @@ class K2Model(DecoderLM):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
-        self.layers = nn.ModuleList(K2DecoderLayer(cfg, i, dtype, group, expert_parallel)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(MLAttention(cfg, dtype, group),
+                         GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group)
+                         if i < cfg.first_k_dense_replace else MoE(cfg, dtype, group, expert_parallel),
+                         cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
         self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=True)

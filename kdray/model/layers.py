@@ -191,6 +191,27 @@ class Rotary(nn.Module):
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block ``h += attn(norm(h)); h += mlp(norm(h))`` under the HF parameter names."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dim, eps, dtype)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(dim, eps, dtype)
+        self.mlp = mlp
+
+    def forward(self, h, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, reader: CheckpointReader, prefix: str):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.mlp.load(reader, f"{prefix}.mlp")
+
+
 class DecoderLM(nn.Module):
     """The decoder loop every target shares; subclasses build ``embed_tokens``, ``layers`` (each called as
     ``layer(h, rotary, cos, sin, batch, layer_cache)``), ``norm``, ``lm_head`` and ``rotary``."""

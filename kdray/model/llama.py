@@ -14,7 +14,7 @@ from kdray.config import LlamaConfig
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
 from kdray.model.parallel import SINGLE, shard_range
 
 
@@ -63,25 +63,6 @@ class LlamaAttention(nn.Module):
             getattr(self, name).load(reader, f"{prefix}.{name}.weight")
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, group=SINGLE):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, dtype, group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group)
-
-    def forward(self, h, rotary, cos, sin, batch, cache):
-        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def load(self, reader: CheckpointReader, prefix: str):
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
-        self.self_attn.load(reader, f"{prefix}.self_attn")
-        self.mlp.load(reader, f"{prefix}.mlp")
-
-
 class LlamaModel(DecoderLM):
     """The whole target, with K2Model's interface: ``forward`` returns final hidden states and the requested
     layers' outputs; a tied LM head shares the embedding's (vocabulary-parallel) weight."""
@@ -90,7 +71,11 @@ class LlamaModel(DecoderLM):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, group) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(LlamaAttention(cfg, dtype, group),
+                         GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group),
+                         cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
         if cfg.tie_word_embeddings:
