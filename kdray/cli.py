@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", parents=[_engine_flags()], help="complete one prompt and print text and tau")
     gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
     gen.add_argument("--token-ids", action="store_true", help="the prompt is token ids (models without a tokenizer)")
+    gen.add_argument("--raw", action="store_true", help="send the text as is, without the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -96,7 +97,10 @@ def generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(**resolve_engine_args(ServeArgs(**_given(args, *ENGINE))))
-    prompt = {"prompt_token_ids": [ids]} if ids else {"prompts": args.prompt}
+    text = args.prompt
+    if ids is None and not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])  # an instruct model's turn
+    prompt = {"prompt_token_ids": [ids]} if ids else {"prompts": text}
     out = llm.generate(**prompt, sampling_params=params)[0]
     c, m = out.outputs[0], out.metrics
     print(c.text if llm.tokenizer is not None else ",".join(map(str, c.token_ids)))

@@ -260,7 +260,8 @@ def test_metrics_in_prometheus_format(server):
 def test_cli_generate_prints_tokens_and_tau(capsys, tiny):
     from kdray.cli import main
 
-    assert main(["generate", "5,6,7,8,9", "--token-ids", "--max-tokens", "4", "--device", "cpu"]) == 0
+    assert main(["generate", "5,6,7,8,9", "--token-ids", "--model", "k2-tiny", "--max-tokens", "4",
+                 "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == ",".join(map(str, greedy(tiny, [[5, 6, 7, 8, 9]], 4)[0].token_ids))
     assert err.startswith("tau 1.00")
