@@ -267,3 +267,17 @@ def test_cli_generate_prints_tokens_and_tau(capsys, tiny):
     assert err.startswith("tau 1.00")
     assert main(["generate", "5,x", "--token-ids"]) == 2
     assert "comma-separated" in capsys.readouterr().err
+
+
+def test_cli_generate_uses_the_chat_template_unless_raw(capsys, chat_model, chat_llm):
+    from kdray.cli import main
+
+    tok = chat_llm.tokenizer
+    seen = []
+    for flags, prompt in (([], tok.apply_chat_template([{"role": "user", "content": "hello"}])), (["--raw"], "hello")):
+        assert main(["generate", "hello", "--model", str(chat_model), "--max-tokens", "3", "--device", "cpu",
+                     *flags]) == 0
+        expect = greedy(chat_llm, [tok.encode(prompt)], 3)[0].token_ids
+        seen.append(capsys.readouterr().out.rstrip("\n"))
+        assert seen[-1] == tok.decode(expect)
+    assert seen[0] != seen[1]  # the template changed what the model saw
