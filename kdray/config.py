@@ -360,6 +360,11 @@ class SpecConfig:
         return {"ar": 0, "chain": self.depth, "ddtree": self.budget}[self.mode]
 
     @property
+    def cache_slack(self) -> int:
+        """Cache positions past the committed length that a step writes (tree slots or the draft block)."""
+        return max(self.nodes + 1, self.depth + 1)
+
+    @property
     def max_topk(self) -> int | None:
         """Candidates kept per depth: one for a chain, up to the budget for a tree."""
         return 1 if self.mode == "chain" else None

@@ -112,10 +112,11 @@ class LLM:
                                           page_size=page_size, num_pages=num_pages, max_model_len=limit)
         pages = num_pages or default_num_pages(self.target.model, d, page_size, dev, torch_dtype)
         pool = PagePool(pages, page_size)
-        runner = ModelRunner(self.target, d, self.spec, pages, page_size, dev, cuda_graphs=cuda_graphs)
-        if cuda_graphs:  # one block-table width for every step, so each batch shape is captured once
-            runner.max_pages_per_seq = pool.pages_for(limit + runner.slack_tokens)
-        scheduler = Scheduler(pool, self.engine_config, limit, runner.slack_tokens, 1 + self.spec.nodes)
+        # With graphs, one block-table width for every step, so each batch shape is captured once.
+        width = pool.pages_for(limit + self.spec.cache_slack) if cuda_graphs else None
+        runner = ModelRunner(self.target, d, self.spec, pages, page_size, dev, cuda_graphs=cuda_graphs,
+                             max_pages_per_seq=width)
+        scheduler = Scheduler(pool, self.engine_config, limit, self.spec.cache_slack, 1 + self.spec.nodes)
         eos = cfg.eos_token_ids or (self.target.tokenizer.eos_token_ids if self.target.tokenizer else ())
         self.engine = Engine(runner, scheduler, self.target.tokenizer, limit, cfg.vocab_size, eos,
                              self.target.name)

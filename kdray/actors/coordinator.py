@@ -136,17 +136,16 @@ class Gang:
         self._gather(calls, o.join_timeout_s + JOIN_MARGIN_S, "join their communicators", absent)
         return self._gather([a.load.remote() for a in self.actors.values()], o.load_timeout_s, "load weights")
 
-    def start(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> int:
-        """Build every runner, start every loop and connect it to the channel; return the slack tokens."""
+    def start(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]):
+        """Build every runner, start every loop and connect it to the channel."""
         actors = self.actors
-        slack = self._gather([a.setup.remote(spec, num_pages, aux_layer_ids) for a in actors.values()],
-                             self.options.load_timeout_s, "build their runners")[0]
+        self._gather([a.setup.remote(spec, num_pages, aux_layer_ids) for a in actors.values()],
+                             self.options.load_timeout_s, "build their runners")
         here = ray.get_runtime_context().get_node_id()
         same_node = set(ray.util.placement_group_table(self._held.pg)["bundles_to_node_id"].values()) == {here}
         server = self._held.server = PlanServer(None if same_node else ray.util.get_node_ip_address())
         self.loops = {name: a.run.remote(server.address) for name, a in actors.items()}
         server.accept(list(self.loops), self.options.join_timeout_s, self.check)
-        return slack
 
     def _gather(self, refs: list, timeout_s: float, what: str, absent=lambda: "") -> list:
         """``ray.get`` with a bound; a timeout names the actors that did not finish."""
@@ -242,11 +241,11 @@ class Coordinator(Engine):
             limit = context_limit(cfg, engine_config.max_model_len)
             self.engine_config = replace(engine_config, max_model_len=limit)
             pages = engine_config.num_pages or min(r.kv_pages for r in loaded)
-            slack = gang.start(self.spec, pages, self._aux_ids)
+            gang.start(self.spec, pages, self._aux_ids)
         except BaseException:
             gang.release()
             raise
-        scheduler = Scheduler(PagePool(pages, options.page_size), self.engine_config, limit, slack,
+        scheduler = Scheduler(PagePool(pages, options.page_size), self.engine_config, limit, self.spec.cache_slack,
                               1 + self.spec.nodes)
         tok = self.target.tokenizer
         eos = cfg.eos_token_ids or (tok.eos_token_ids if tok else ())

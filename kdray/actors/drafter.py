@@ -73,10 +73,9 @@ class Drafter(Worker):
         pages = default_num_pages(None, self.drafter, o.page_size, self.device, dtype, self.gpu_share)
         return Loaded(kv_pages=pages, draft_config=self.drafter.cfg)
 
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> int:
+    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> None:
         self.runner = ModelRunner(self.head, self.drafter, spec, num_pages, self.options.page_size, self.device,
                                   profile_stages=False, target_kv=False)
-        return self.runner.slack_tokens
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Nothing to run: the prompts' features arrive with the sequences' first step."""

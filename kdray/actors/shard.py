@@ -29,11 +29,10 @@ class ShardWorker(Worker):
         facts = LoadedTarget(None, self.target.config, self.target.tokenizer, self.target.name)
         return Loaded(kv_pages=pages, target=facts if self.rank == 0 else None)
 
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> int:
+    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> None:
         self.spec = spec
         self.runner = ModelRunner(self.target, None, spec, num_pages, self.options.page_size, self.device,
                                   aux_layer_ids=aux_layer_ids)
-        return self.runner.slack_tokens
 
     def prefill(self, seqs: list[Sequence]) -> dict | None:
         tokens = self.runner.prefill(seqs)

@@ -76,11 +76,6 @@ class ModelRunner:
         self._verify_pass = GraphedPass(self._target_pass) if graphs else self._target_pass
         self._block_pass = GraphedPass(self._drafter_pass) if graphs else self._drafter_pass
 
-    @property
-    def slack_tokens(self) -> int:
-        """Cache positions past the committed length that a step writes (tree slots or the draft block)."""
-        return max(self.spec.nodes + 1, self.spec.depth + 1)
-
     def block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = self.max_pages_per_seq or max(len(s.pages) for s in seqs)
         table = torch.zeros(len(seqs), width, dtype=torch.int32)  # [B, max_pages]
