@@ -1,11 +1,12 @@
 """Control-path overhead of the Ray engine: one step plan from the coordinator to every actor loop and
 shard 0's reply, with the model work removed (a ``noop`` plan of a real step's shape on the same
-channel), for TP = 1, 2, 4 on the CPU and TP = 1 on a GPU when there is one.
+channel), for TP = 1, 2, 4 on the CPU and, on GPUs (NCCL groups), TP = 1 and 2 where there are enough.
 
-Beside it: one engine step of k2-tiny on the same actors, shard 0's verify stage in it (the target pass
-over the trees, collectives included), and the ratio to the verify step of a K2 shard (design.md section 5).
+Beside it: one engine step of k2-tiny on the same actors, the same step in-process (TP = 1, no Ray), shard
+0's verify stage (the target pass over the trees, collectives included), and the ratio to the verify step of
+a K2 shard (design.md section 5). On GPUs both engines replay CUDA graphs (the default there).
 
-    python benchmarks/control_path.py [--tp 1 2 4] [--batch 32]
+    python benchmarks/control_path.py [--tp 1 2 4] [--gpu-tp 1 2] [--batch 32]
 
 Starts a local Ray cluster unless one is running; prints one Markdown table.
 """
@@ -69,28 +70,33 @@ def main():
     ap.add_argument("--step-batch", type=int, default=8, help="sequences in the k2-tiny steps")
     ap.add_argument("--tau", type=int, default=4, help="tokens per sequence in the reply")
     ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--tp", type=int, nargs="*", default=[1, 2, 4], help="CPU widths (none: the GPU row alone)")
+    ap.add_argument("--tp", type=int, nargs="*", default=[1, 2, 4], help="CPU widths (none: the GPU rows alone)")
+    ap.add_argument("--gpu-tp", type=int, nargs="*", default=[1, 2],
+                    help="GPU widths, those that fit the visible GPUs (none: the CPU rows alone)")
     args = ap.parse_args()
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(args.tp, default=1) + 1, include_dashboard=False, logging_level="ERROR")
+        ray.init(num_cpus=max(args.tp + args.gpu_tp, default=1) + 1, include_dashboard=False, logging_level="ERROR")
     runs = [("cpu", "float32", tp) for tp in args.tp]
-    if torch.cuda.is_available():
-        runs.append(("cuda", "bfloat16", 1))
+    runs += [("cuda", "bfloat16", tp) for tp in args.gpu_tp if tp <= torch.cuda.device_count()]
     rows = []
     for device, dtype, tp in runs:
         with LLM(device=device, dtype=dtype, tp=tp, distributed="ray", **SPEC) as llm:
             times = noop_us(llm, args.batch, args.tau, args.iters)
             step, verify = step_ms(llm, args.step_batch)
+            groups = ", ".join(f"{g} {backend} x{n}" for g, (backend, n) in llm.engine.gang.groups.items())
+        with LLM(device=device, dtype=dtype, **SPEC) as llm:
+            local_step, _ = step_ms(llm, args.step_batch)
         med, p90 = statistics.median(times), statistics.quantiles(times, n=10)[-1]
         gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
-        rows.append([str(tp), device + gpu, f"{med:.0f}", f"{p90:.0f}", f"{step:.1f}", f"{verify:.1f}",
+        rows.append([str(tp), device + gpu, groups, f"{med:.0f}", f"{p90:.0f}", f"{step:.1f}", f"{local_step:.1f}", f"{verify:.1f}",
                      f"{100 * med / K2_SHARD_VERIFY_US:.1f}%", "yes" if med <= TARGET_US else "no"])
     print(f"\n# {datetime.date.today()} control path. No-op plan: {args.batch} sequences, reply {args.tau} tokens "
           f"each. k2-tiny: DDTree budget {SPEC['budget']}, block {SPEC['block_size']}, {args.step_batch} sequences. "
           f"K2-shard verify step: {K2_SHARD_VERIFY_US / 1e3:.1f} ms (design.md section 5, 16 nodes).")
-    print_table(rows, ["TP", "device", "plan+reply us (median)", "p90 us", "k2-tiny step ms", "k2-tiny verify ms",
+    print_table(rows, ["TP", "device", "groups", "plan+reply us (median)", "p90 us", "k2-tiny step ms",
+                       "in-process TP1 step ms", "k2-tiny verify ms",
                        "plan / K2-shard verify", "<= 200 us"])
 
 

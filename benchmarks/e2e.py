@@ -27,7 +27,7 @@ from kdray.engine.request import SamplingParams
 from kdray.llm import LLM, builtin_drafter
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import load_target, parse_dtype
-from kdray.train_drafter import kv_pages, prefill, scratch_cache, topic_prompts
+from kdray.train_drafter import kv_pages, margin_at, topic_prompts
 
 
 def parse_args(argv):
@@ -74,15 +74,6 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, one_at_a_time: bool
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-@torch.no_grad()
-def margin_at(target, ids: list[int], chosen: list[int]) -> dict:
-    """The target's logits after ``ids``: top-1 minus top-2, and top-1 minus each ``chosen`` token's logit."""
-    hidden, _ = prefill(target, [ids], scratch_cache(target, len(ids), 1))
-    logits = target.model.logits(hidden[-1:])[0].float()
-    top = logits.topk(2).values
-    return {"margin": float(top[0] - top[1]), "gaps": [float(top[0] - logits[c]) for c in chosen]}
 
 
 def lossless_report(target, prompts, ar_out, dd_out) -> dict:

@@ -66,6 +66,12 @@ def context_limit(cfg, max_model_len: int | None) -> int:
     return limit
 
 
+def graph_table_width(pool: PagePool, limit: int, spec: SpecConfig, cuda_graphs: bool) -> int | None:
+    """With CUDA graphs, one block-table width (pages) for every step, so each batch shape is captured once;
+    None without them (each step's table is as wide as its longest sequence)."""
+    return pool.pages_for(limit + spec.cache_slack) if cuda_graphs else None
+
+
 class LLM:
     """Load a target (and a drafter), then ``generate`` completions for batches of prompts.
 
@@ -77,23 +83,24 @@ class LLM:
                  drafter: str | DFlashDrafter | None = None, spec: str | None = None, budget: int = 64,
                  block_size: int | None = None, tp: int = 1, distributed: str = "local", expert_parallel: bool = False,
                  max_num_seqs: int = 32, max_model_len: int | None = None, page_size: int = 16,
-                 num_pages: int | None = None, max_tokens_per_step: int = 8192, cuda_graphs: bool = False):
+                 num_pages: int | None = None, max_tokens_per_step: int = 8192, cuda_graphs: bool | None = None):
         self.parallel = ParallelConfig(tp=tp, expert_parallel=expert_parallel, distributed=distributed)
         torch_dtype = parse_dtype(dtype)
         if drafter is None and spec != "ar":
             drafter = builtin_drafter(model)  # a preset's shipped drafter, if any
         mode = spec or ("ddtree" if drafter is not None else "ar")
+        if cuda_graphs is None:  # replay the verify and draft passes from CUDA graphs wherever there is a GPU
+            cuda_graphs = torch.device(device).type == "cuda"
         if mode != "ar" and drafter is None:
             raise ValueError(f"spec='{mode}' needs a drafter: drafter=<DFlash checkpoint dir> or drafter='random'")
         if self.parallel.distributed == "ray":  # the weights load inside the actors
-            if not isinstance(model, str) or not isinstance(drafter, (str, type(None))) or cuda_graphs:
-                raise ValueError("distributed='ray' takes model= and drafter= as names or paths (not loaded objects) "
-                                 "and does not support cuda_graphs=True yet")
+            if not isinstance(model, str) or not isinstance(drafter, (str, type(None))):
+                raise ValueError("distributed='ray' takes model= and drafter= as names or paths (not loaded objects)")
             from kdray.actors.coordinator import Coordinator
 
             options = GangOptions(model=model, device=torch.device(device).type, dtype=dtype, tp=tp,
                                   expert_parallel=expert_parallel, drafter=drafter if mode != "ar" else None,
-                                  block_size=block_size, page_size=page_size)
+                                  block_size=block_size, page_size=page_size, cuda_graphs=cuda_graphs)
             self.engine = Coordinator(options, mode, budget, EngineConfig(
                 max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step, page_size=page_size,
                 num_pages=num_pages, max_model_len=max_model_len))
@@ -112,10 +119,8 @@ class LLM:
                                           page_size=page_size, num_pages=num_pages, max_model_len=limit)
         pages = num_pages or default_num_pages(self.target.model, d, page_size, dev, torch_dtype)
         pool = PagePool(pages, page_size)
-        # With graphs, one block-table width for every step, so each batch shape is captured once.
-        width = pool.pages_for(limit + self.spec.cache_slack) if cuda_graphs else None
         runner = ModelRunner(self.target, d, self.spec, pages, page_size, dev, cuda_graphs=cuda_graphs,
-                             max_pages_per_seq=width)
+                             max_pages_per_seq=graph_table_width(pool, limit, self.spec, cuda_graphs))
         scheduler = Scheduler(pool, self.engine_config, limit, self.spec.cache_slack, 1 + self.spec.nodes)
         eos = cfg.eos_token_ids or (self.target.tokenizer.eos_token_ids if self.target.tokenizer else ())
         self.engine = Engine(runner, scheduler, self.target.tokenizer, limit, cfg.vocab_size, eos,

@@ -153,6 +153,16 @@ def scratch_cache(target: LoadedTarget, tokens: int, seqs: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def margin_at(target, ids: list[int], chosen: list[int]) -> dict:
+    """The target's logits after ``ids``: the top-1 logit, top-1 minus top-2, and top-1 minus each ``chosen``
+    token's logit (how near a tie a choice between those tokens was)."""
+    hidden, _ = prefill(target, [ids], scratch_cache(target, len(ids), 1))
+    logits = target.model.logits(hidden[-1:])[0].float()
+    top = logits.topk(2).values
+    return {"top": float(top[0]), "margin": float(top[0] - top[1]), "gaps": [float(top[0] - logits[c]) for c in chosen]}
+
+
+@torch.no_grad()
 def target_features(target: LoadedTarget, seqs: list[list[int]], layer_ids: tuple[int, ...],
                     tokens_per_pass: int = 16384, seqs_per_pass: int = 64) -> torch.Tensor:
     """Outputs of the target's decoder layers ``layer_ids`` for every token of ``seqs`` (causal prefill in
@@ -337,10 +347,12 @@ def heldout_tau(target: LoadedTarget, drafter: DFlashDrafter, prompts: list[list
     return out
 
 
-def lr_at(step: int, total: int, warmup: float) -> float:
-    """Linear warmup over ``warmup`` of the steps, then cosine decay to zero (a multiplier of the peak lr)."""
-    w = max(1, round(warmup * total))
-    return (step + 1) / w if step < w else 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))
+def lr_at(done: float, warmup: float) -> float:
+    """The multiplier of the peak lr at ``done`` (in [0, 1)) of the run: a linear warmup over the first
+    ``warmup`` of it, then a cosine decay to zero."""
+    if done < warmup:
+        return max(done, 1e-3 * warmup) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (done - warmup) / (1 - warmup)))
 
 
 # ---------------------------------------------------------------- the command
@@ -368,11 +380,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     g.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
     g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--warmup", type=float, default=0.04, help="fraction of the steps")
+    g.add_argument("--warmup", type=float, default=0.04, help="fraction of the run")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--gamma", type=float, help="loss decay (default: DFlash's for the block size)")
     g.add_argument("--steps", type=int, help="optimizer steps")
-    g.add_argument("--train-seconds", type=float, help="instead of --steps: as many steps as fit (measured)")
+    g.add_argument("--train-seconds", type=float,
+                   help="instead of --steps: train for this long (schedule and checkpoints by elapsed time)")
     g = ap.add_argument_group("checkpoints and evaluation")
     g.add_argument("--checkpoints", type=int, default=4, help="checkpoints (each with a held-out eval) over the run")
     g.add_argument("--log-every", type=int, default=10)
@@ -382,6 +395,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if (args.steps is None) == (args.train_seconds is None):
         ap.error("give exactly one of --steps and --train-seconds")
+    if not 0 <= args.warmup < 1:
+        ap.error(f"--warmup {args.warmup}: give the fraction of the run to warm up over, in [0, 1)")
     args.gamma = args.gamma or GAMMA.get(args.block_size)
     if args.gamma is None:
         ap.error(f"give --gamma for block size {args.block_size} (DFlash: 7 for 16, 5 for 10, 4 for 8)")
@@ -443,45 +458,42 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         return loss, stats
 
-    total = args.steps
-    if total is None:  # time steps after a warm-up (gradients discarded), then fit the run into --train-seconds
-        warm, timed = 10, 20  # the first steps are several times slower (allocator, kernel selection)
-        for i in range(warm + timed):
-            if i == warm:
-                sync(device)
-                t = time.perf_counter()
-            forward_backward()
-        sync(device)
-        per_step = (time.perf_counter() - t) / timed
-        opt.zero_grad(set_to_none=True)
-        total = max(1, int(args.train_seconds / per_step))
-        print(f"{per_step * 1e3:.1f} ms per step: {total} steps in {args.train_seconds:.0f} s", file=sys.stderr)
-    save_at = {round(total * (i + 1) / args.checkpoints) for i in range(args.checkpoints)} | {total}
-    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": total,
+    # Progress through the run in [0, 1): by steps (--steps) or by training time (--train-seconds; evaluation
+    # excluded), so the schedule and the checkpoints fit the time however the step rate changes as it warms up.
+    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": 0,
            "data": data, "drafter": cfg.to_hf(), "curve": [], "evals": []}
     args.output.mkdir(parents=True, exist_ok=True)
-    t_train, train_seconds = time.perf_counter(), 0.0
-    bar = tqdm(range(total), desc="train", unit="step", mininterval=5)
-    for step in bar:
+    trained, t_train, step = 0.0, time.perf_counter(), 0
+
+    def progress() -> float:
+        return step / args.steps if args.steps else (trained + time.perf_counter() - t_train) / args.train_seconds
+
+    bar = tqdm(total=args.steps, desc="train", unit="step", mininterval=5)
+    saved = 0  # checkpoints written; the next one is due at progress (saved + 1) / checkpoints
+    while (done := progress()) < 1:
         for group in opt.param_groups:
-            group["lr"] = args.lr * lr_at(step, total, args.warmup)
+            group["lr"] = args.lr * lr_at(done, args.warmup)
         loss, stats = forward_backward()
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if (step + 1) % args.log_every == 0 or step + 1 in save_at:
-            row = {"step": step + 1, "seconds": round(train_seconds + time.perf_counter() - t_train, 2),
+        step += 1
+        bar.update()
+        due = progress() >= (saved + 1) / args.checkpoints - 1e-9
+        if step % args.log_every == 0 or due:
+            row = {"step": step, "seconds": round(trained + time.perf_counter() - t_train, 2),
                    "lr": opt.param_groups[0]["lr"], "loss": round(loss.item(), 4), "grad_norm": round(float(norm), 3),
                    **{k: round(v.item(), 4) for k, v in stats.items()}}
             log["curve"].append(row)
             bar.set_postfix(loss=row["loss"], tau_block=row["tau_block"])
-        if step + 1 in save_at:
-            train_seconds += time.perf_counter() - t_train
+        if due:
+            saved += 1
+            trained += time.perf_counter() - t_train
             export(drafter, torch.bfloat16).save(args.output)
-            ev = {"step": step + 1, **heldout_tau(target, drafter, eval_prompts, args.eval_tokens, args.eval_budget)}
+            ev = {"step": step, **heldout_tau(target, drafter, eval_prompts, args.eval_tokens, args.eval_budget)}
             log["evals"].append(ev)
-            tqdm.write(f"checkpoint at step {step + 1}: loss {row['loss']}, held-out tau {ev}", file=sys.stderr)
-            log["train_seconds"] = round(train_seconds, 1)
+            tqdm.write(f"checkpoint at step {step}: loss {row['loss']}, held-out tau {ev}", file=sys.stderr)
+            log["steps"], log["train_seconds"] = step, round(trained, 1)
             log["total_seconds"] = round(time.perf_counter() - t_start, 1)
             write_log(args.output, log)
             t_train = time.perf_counter()

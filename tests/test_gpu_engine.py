@@ -1,6 +1,8 @@
 """The GPU path: same tokens as the CPU reference, and verify passes replayed from CUDA graphs."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from kdray.engine.cuda_graphs import GraphedPass
 from kdray.kernels.tree_build import tree_build
 from kdray.model.batch import ForwardBatch
 from kdray.model.k2 import K2Model
+from kdray.model.layers import LMHead
 from kdray.model.presets import K2_TINY
 
 pytestmark = pytest.mark.gpu
@@ -35,6 +38,49 @@ def test_bf16_ddtree_with_cuda_graphs_equals_ar():
              block_size=16, cuda_graphs=True)
     assert tokens(dd.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == tokens(
         ar.generate(prompt_token_ids=PROMPTS, sampling_params=params))
+
+
+def test_no_automatic_garbage_collection_inside_a_capture():
+    """A graph that becomes garbage in a reference cycle (an engine dropped in a cycle) dies whenever the GC
+    runs; CUDA forbids destroying a graph while a stream captures, which invalidates the capture. Here the
+    captured function makes such a cycle young and then allocates enough to trigger the GC mid-capture."""
+    x = torch.ones(8, device="cuda")
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        x.mul_(2)
+    doomed = [old]
+    del old
+
+    def fn(batch):
+        if torch.cuda.is_current_stream_capturing() and doomed:
+            cycle = [doomed.pop()]
+            cycle.append(cycle)
+            del cycle
+            junk = [[] for _ in range(20 * gc.get_threshold()[0])]  # live containers: the GC would run now
+            del junk
+        return (batch.input_ids * 3,)
+
+    ids = torch.arange(5, device="cuda")
+    batch = ForwardBatch.build(ids, ids.clone(), [5], [0], torch.zeros(1, 1, dtype=torch.int32, device="cuda"), 16,
+                               None)
+    (out,) = GraphedPass(fn)(batch)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ids * 3) and not doomed
+
+
+def test_bf16_lm_head_keeps_fp32_logits():
+    """bf16 hidden states and weights, fp32 accumulation and output: logits within fp32 rounding of an fp32
+    product of the same operands, not rounded to bf16 (where near-equal logits would tie)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    with torch.device("cuda"):
+        head = LMHead(576, 49152, torch.bfloat16)
+        head.proj.weight.data.normal_(0, 576 ** -0.5, generator=g)
+        h = torch.randn(37, 576, generator=g, device="cuda").bfloat16()
+    logits = head(h)
+    exact = h.double() @ head.weight.double().t()
+    assert logits.dtype == torch.float32 and logits.shape == (37, 49152)
+    torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-5)
+    assert (logits != logits.bfloat16().float()).float().mean() > 0.9
 
 
 def k2_shard_config() -> K2Config:

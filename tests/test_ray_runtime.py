@@ -13,7 +13,7 @@ import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
 
 from kdray import LLM, SamplingParams
-from kdray.actors.communicator import CommunicatorTimeout, GlooGroup, NcclGroup
+from kdray.actors.communicator import CommunicatorTimeout, GlooGroup
 from kdray.config import K2Config
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
 
@@ -115,24 +115,3 @@ def test_group_join_timeout_names_the_absent_rank():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     with pytest.raises(CommunicatorTimeout, match=r"rank\(s\) \[1\] of 2 did not join"):
         GlooGroup(store, "tp", 0, 2, timeout_s=1.0)
-
-
-@pytest.mark.gpu
-def test_tp1_with_the_drafter_sharing_the_gpu_equals_in_process(cluster):
-    on_gpu = {"device": "cuda", "dtype": "bfloat16"}
-    reference = generate("k2-tiny", PROMPTS, 24, **on_gpu)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    with LLM(model="k2-tiny", **SPEC, **on_gpu, tp=1, distributed="ray") as llm:
-        assert llm.engine.gang.placement_group.bundle_specs == [{"CPU": 2, "GPU": 1}]  # shard 0 and the drafter
-        assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == reference
-
-
-@pytest.mark.gpu
-def test_nccl_group_reduces_gathers_and_broadcasts_on_torch_stream():
-    pytest.importorskip("cupy")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    group = NcclGroup(store, "tp", 0, 1, timeout_s=30)
-    t = torch.arange(6, dtype=torch.bfloat16, device="cuda").view(2, 3)
-    assert torch.equal(group.all_reduce(t.clone()), t)
-    assert torch.equal(group.all_gather(t, dim=-1), t)
-    assert torch.equal(group.broadcast(t.int().contiguous(), 0), t.int())

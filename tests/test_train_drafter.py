@@ -10,7 +10,7 @@ from kdray.llm import LLM
 from kdray.model.batch import ForwardBatch, pack_bits
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import load_target
-from kdray.train_drafter import main, make_blocks, topic_passages
+from kdray.train_drafter import lr_at, main, make_blocks, topic_passages
 
 
 def test_dense_forward_matches_the_cached_forward():
@@ -76,6 +76,28 @@ def test_a_few_steps_reduce_the_loss_and_write_a_loadable_checkpoint(tmp_path):
     llm = LLM(model="k2-tiny", drafter=str(out), spec="ddtree", budget=8)
     res = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
     assert len(res[0].outputs[0].token_ids) == 4
+
+
+def test_a_timed_run_spreads_its_schedule_and_checkpoints_over_the_time(tmp_path):
+    out = tmp_path / "drafter"
+    assert main(["--model", "k2-tiny", "--output", str(out), "--device", "cpu", "--max-chars", "60",
+                 "--num-prompts", "4", "--max-new-tokens", "12", "--layers", "1", "--target-layers", "2",
+                 "--block-size", "8", "--train-seconds", "3", "--batch-size", "4", "--anchors", "8",
+                 "--log-every", "1", "--checkpoints", "2", "--eval-prompts", "1", "--eval-tokens", "4",
+                 "--eval-budget", "8"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    curve = log["curve"]
+    assert 3.0 <= log["train_seconds"] < 4.5 and log["steps"] == len(curve) > 10
+    assert [e["step"] for e in log["evals"]][-1] == log["steps"] and len(log["evals"]) == 2
+    peak = max(range(len(curve)), key=lambda i: curve[i]["lr"])
+    assert curve[-1]["lr"] < 0.05 * curve[peak]["lr"] and peak < len(curve) / 4  # warmed up early, decayed by the end
+
+
+def test_lr_warms_up_then_decays_to_zero():
+    values = [lr_at(i / 100, 0.1) for i in range(100)]
+    assert values[0] > 0 and abs(values[10] - 1) < 1e-9 and max(values) <= 1
+    assert all(a <= b for a, b in zip(values[:10], values[1:11])) and all(a >= b for a, b in zip(values[10:], values[11:]))
+    assert values[-1] < 1e-3
 
 
 def test_smollm2_ships_a_loadable_drafter_and_other_models_none():

@@ -27,7 +27,7 @@ from kdray.engine.request import RequestOutput
 from kdray.engine.runner import StepResult
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.sequence import Sequence
-from kdray.llm import context_limit
+from kdray.llm import context_limit, graph_table_width
 from kdray.model.loader import resolve_model
 from kdray.model.presets import PRESETS
 
@@ -78,6 +78,7 @@ class Gang:
         self.shards: list = []
         self.drafter = None
         self.loops: dict[str, ray.ObjectRef] = {}
+        self.groups: dict[str, tuple[str, int]] = {}  # group name -> (backend, size), once launched
 
     @property
     def placement_group(self):
@@ -125,6 +126,7 @@ class Gang:
         sizes = ({"tp": o.tp} if o.tp > 1 else {}) | ({"link": world} if drafter else {})
         backends = {"tp": "nccl" if gpu else "gloo",
                     "link": "nccl" if gpu and not shared else "gloo"}  # NCCL refuses two ranks on one GPU
+        self.groups = {g: (backends[g], n) for g, n in sizes.items()}
         calls = [a.join.remote(host, store.port, {g: (backends[g], rank, n) for g, n in sizes.items()
                                                   if g == "link" or rank < o.tp}, o.join_timeout_s)
                  for rank, a in enumerate(self.actors.values())]
@@ -136,10 +138,10 @@ class Gang:
         self._gather(calls, o.join_timeout_s + JOIN_MARGIN_S, "join their communicators", absent)
         return self._gather([a.load.remote() for a in self.actors.values()], o.load_timeout_s, "load weights")
 
-    def start(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]):
+    def start(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...], max_pages_per_seq: int | None):
         """Build every runner, start every loop and connect it to the channel."""
         actors = self.actors
-        self._gather([a.setup.remote(spec, num_pages, aux_layer_ids) for a in actors.values()],
+        self._gather([a.setup.remote(spec, num_pages, aux_layer_ids, max_pages_per_seq) for a in actors.values()],
                              self.options.load_timeout_s, "build their runners")
         here = ray.get_runtime_context().get_node_id()
         same_node = set(ray.util.placement_group_table(self._held.pg)["bundles_to_node_id"].values()) == {here}
@@ -241,7 +243,9 @@ class Coordinator(Engine):
             limit = context_limit(cfg, engine_config.max_model_len)
             self.engine_config = replace(engine_config, max_model_len=limit)
             pages = engine_config.num_pages or min(r.kv_pages for r in loaded)
-            gang.start(self.spec, pages, self._aux_ids)
+            self._width = graph_table_width(PagePool(pages, options.page_size), limit, self.spec,
+                                            options.cuda_graphs)
+            gang.start(self.spec, pages, self._aux_ids, self._width)
         except BaseException:
             gang.release()
             raise
@@ -261,7 +265,7 @@ class Coordinator(Engine):
         gang = Gang(self.options)
         try:
             gang.launch()
-            gang.start(self.spec, self.scheduler.pool.num_pages, self._aux_ids)
+            gang.start(self.spec, self.scheduler.pool.num_pages, self._aux_ids, self._width)
         except BaseException:
             gang.release()
             raise

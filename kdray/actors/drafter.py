@@ -73,9 +73,11 @@ class Drafter(Worker):
         pages = default_num_pages(None, self.drafter, o.page_size, self.device, dtype, self.gpu_share)
         return Loaded(kv_pages=pages, draft_config=self.drafter.cfg)
 
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> None:
+    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...],
+              max_pages_per_seq: int | None) -> None:
         self.runner = ModelRunner(self.head, self.drafter, spec, num_pages, self.options.page_size, self.device,
-                                  profile_stages=False, target_kv=False)
+                                  cuda_graphs=self.options.cuda_graphs,
+                                  max_pages_per_seq=max_pages_per_seq, target_kv=False)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Nothing to run: the prompts' features arrive with the sequences' first step."""
@@ -87,5 +89,5 @@ class Drafter(Worker):
         self.link.recv(features, 0)
         for s, part in zip(seqs, features.split(pending)):
             s.features = part
-        tree = self.runner.propose(seqs, self.runner.block_table(seqs), StageTimer(False))
+        tree = self.runner.propose(seqs, self.runner.block_table(seqs), StageTimer(cuda=False))  # not reported
         self.link.broadcast(pack_tree(tree), self.link.rank)

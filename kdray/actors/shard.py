@@ -7,7 +7,7 @@ import torch
 
 from kdray.actors.worker import Loaded, Worker, tree_width, unpack_tree
 from kdray.config import SpecConfig
-from kdray.engine.runner import ModelRunner, StageTimer
+from kdray.engine.runner import ModelRunner
 from kdray.engine.sequence import Sequence
 from kdray.llm import default_num_pages
 from kdray.model.loader import LoadedTarget, load_target, parse_dtype
@@ -29,9 +29,11 @@ class ShardWorker(Worker):
         facts = LoadedTarget(None, self.target.config, self.target.tokenizer, self.target.name)
         return Loaded(kv_pages=pages, target=facts if self.rank == 0 else None)
 
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> None:
+    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...],
+              max_pages_per_seq: int | None) -> None:
         self.spec = spec
         self.runner = ModelRunner(self.target, None, spec, num_pages, self.options.page_size, self.device,
+                                  cuda_graphs=self.options.cuda_graphs, max_pages_per_seq=max_pages_per_seq,
                                   aux_layer_ids=aux_layer_ids)
 
     def prefill(self, seqs: list[Sequence]) -> dict | None:
@@ -41,7 +43,7 @@ class ShardWorker(Worker):
     def step(self, seqs: list[Sequence]) -> dict | None:
         """Send the pending drafter context (shard 0), take the drafter's trees, verify, accept, commit."""
         block_table = self.runner.block_table(seqs)
-        stages = StageTimer(self.runner.profile_stages)
+        stages = self.runner.stage_timer()
         if self.link is None:  # AR: each tree is its root alone
             tree = self.runner.propose(seqs, block_table, stages)
         else:

@@ -42,6 +42,7 @@ class GangOptions:
     drafter: str | None  # None (AR), "random" or a DFlash checkpoint directory
     block_size: int | None
     page_size: int
+    cuda_graphs: bool = False  # replay the verify (shards) and draft (drafter) passes from CUDA graphs
     place_timeout_s: float = 120.0
     join_timeout_s: float = 120.0
     load_timeout_s: float = 3600.0
@@ -109,8 +110,10 @@ class Worker(ABC):
         """Load this actor's weights."""
 
     @abstractmethod
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...]) -> int:
-        """Build the runner and the KV pages; return the runner's slack tokens."""
+    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...],
+              max_pages_per_seq: int | None) -> None:
+        """Build the runner and the KV pages (``max_pages_per_seq``: the fixed block-table width that CUDA
+        graphs need, None without them)."""
 
     @abstractmethod
     def prefill(self, seqs: list[Sequence]) -> dict | None:

@@ -6,6 +6,7 @@ device values), which the kdray kernels guarantee.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import fields
 from typing import Callable
 
@@ -56,6 +57,14 @@ class GraphedPass:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.fn(static_batch, *static_extra)
+        # No garbage collection inside the capture: collecting an unreachable engine would destroy its graphs,
+        # which CUDA forbids while a stream captures (the capture is then invalidated).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self.fn(static_batch, *static_extra)
+        finally:
+            if collecting:
+                gc.enable()
         return graph, static_batch, static_extra, outputs

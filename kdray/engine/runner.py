@@ -29,17 +29,32 @@ class StepResult:
 
 
 class StageTimer:
-    """Wall time per stage; on a GPU it synchronises at stage ends when ``sync`` is set."""
+    """Seconds per stage of one step. On a GPU (``cuda``) each stage end records a CUDA event on the current
+    stream, so timing adds no host synchronisation; the times are read once the step's results are on the
+    host. Otherwise, host wall time."""
 
-    def __init__(self, sync: bool):
-        self.sync, self.seconds, self._t = sync, {}, time.perf_counter()
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._marks = [("", self._now())]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def end(self, name: str):
-        if self.sync:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
-        self._t = now
+        self._marks.append((name, self._now()))
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        if self.cuda:
+            self._marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (_, start), (name, stop) in zip(self._marks, self._marks[1:]):
+            out[name] = out.get(name, 0.0) + (start.elapsed_time(stop) / 1e3 if self.cuda else stop - start)
+        return out
 
 
 def root_only_tree(roots: torch.Tensor) -> DraftTree:
@@ -58,12 +73,11 @@ class ModelRunner:
     (its ``target`` holds only the embedding and LM head, so ``target_kv=False``)."""
 
     def __init__(self, target, drafter: DFlashDrafter | None, spec: SpecConfig, num_pages: int, page_size: int,
-                 device: torch.device, profile_stages: bool = True, cuda_graphs: bool = False,
+                 device: torch.device, cuda_graphs: bool = False,
                  max_pages_per_seq: int | None = None, aux_layer_ids: tuple[int, ...] = (), target_kv: bool = True):
         self.target, self.drafter, self.spec = target, drafter, spec
         self.max_pages_per_seq = max_pages_per_seq  # fixed block-table width, so captured graphs are reused
         self.device, self.page_size = torch.device(device), page_size
-        self.profile_stages = profile_stages and self.device.type == "cuda"
         m = target.model
         self.kv = torch.zeros(m.cfg.num_hidden_layers, num_pages, page_size, *m.kv_row_shape, dtype=m.dtype,
                               device=device) if target_kv else None  # [layers, P, S, *row]
@@ -75,6 +89,9 @@ class ModelRunner:
         graphs = cuda_graphs and self.device.type == "cuda"
         self._verify_pass = GraphedPass(self._target_pass) if graphs else self._target_pass
         self._block_pass = GraphedPass(self._drafter_pass) if graphs else self._drafter_pass
+
+    def stage_timer(self) -> StageTimer:
+        return StageTimer(cuda=self.device.type == "cuda")
 
     def block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = self.max_pages_per_seq or max(len(s.pages) for s in seqs)
@@ -111,7 +128,7 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> StepResult:
         """One speculative step for sequences that all have a bonus token and a cached prefix."""
-        stages = StageTimer(self.profile_stages)
+        stages = self.stage_timer()
         block_table = self.block_table(seqs)
         tree = self.propose(seqs, block_table, stages)
         return self.verify(seqs, tree, block_table, stages)

@@ -101,8 +101,14 @@ class LMHead(nn.Module):
         return self.proj.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """``[T, dim]`` -> ``[T, vocab]`` fp32 logits."""
-        return self.proj.group.all_gather(F.linear(h, self.proj.weight).float(), dim=-1)
+        """``[T, dim]`` -> ``[T, vocab]`` fp32 logits. On a GPU, 16-bit operands accumulate into an fp32 output
+        (never rounded to 16 bits), so near-equal logits keep their order instead of tying."""
+        w = self.proj.weight
+        if h.is_cuda and h.dtype != torch.float32:
+            logits = torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
+        else:
+            logits = F.linear(h, w).float()
+        return self.proj.group.all_gather(logits, dim=-1)
 
     def load(self, reader: CheckpointReader, name: str):
         self.proj.load(reader, name)
