@@ -10,6 +10,7 @@ from k2_checkpoints import make_hf_k2
 from kdray import LLM, SamplingParams
 from kdray.config import K2Config
 from kdray.model.batch import ForwardBatch, pack_bits
+from kdray.kernels.tree_build import tree_build
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
 
@@ -144,6 +145,18 @@ def tiny_vocab_model(tmp_path_factory):
     tensors["lm_head.weight"] *= 0.25  # softer distributions: every pair of tokens has visible mass
     write_checkpoint(path, cfg, tensors)
     return str(path)
+
+
+def test_trees_smaller_than_their_budget_are_verified_padded_and_stay_lossless(tiny_vocab_model):
+    """With 6 tokens and one draft depth a tree holds 6 of its 8 budgeted nodes; the step verifies every
+    tree at its full width, and the padded slots must never be accepted nor change a token."""
+    tree = tree_build(torch.randn(2, 1, 6), torch.tensor([1, 2]), torch.tensor([8, 8], dtype=torch.int32), 8)
+    assert tree.num_nodes.tolist() == [7, 7] and tree.tokens.shape == (2, 9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 0, 1, 2], [3]]
+    ar = LLM(model=tiny_vocab_model, spec="ar").generate(prompt_token_ids=prompts, sampling_params=params)
+    dd = LLM(model=tiny_vocab_model, drafter="random", spec="ddtree", budget=8, block_size=2)
+    assert tokens(dd.generate(prompt_token_ids=prompts, sampling_params=params)) == tokens(ar)
 
 
 def adjusted_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -86,6 +86,8 @@ class ModelRunner:
             self.draft_kv = torch.zeros(drafter.cfg.num_hidden_layers, num_pages, page_size, *drafter.kv_row_shape,
                                         dtype=drafter.dtype, device=device)  # [d_layers, P, S, 2, Hkv, D]
             self.aux_ids = drafter.cfg.target_layer_ids
+            blk = spec.block_size
+            self._see_block = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=device))  # [blk, W]
         graphs = cuda_graphs and self.device.type == "cuda"
         self._verify_pass = GraphedPass(self._target_pass) if graphs else self._target_pass
         self._block_pass = GraphedPass(self._drafter_pass) if graphs else self._drafter_pass
@@ -100,9 +102,11 @@ class ModelRunner:
             table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
         return table.to(self.device)
 
-    def _row_params(self, seqs: list[Sequence], counts: list[int]) -> RowParams:
-        rep = lambda vals, dt: torch.tensor(  # noqa: E731
-            [v for v, n in zip(vals, counts) for _ in range(n)], dtype=dt, device=self.device)
+    def _row_params(self, seqs: list[Sequence], rows_per_seq: int) -> RowParams:
+        """Each sequence's sampling parameters, repeated for its ``rows_per_seq`` rows of logits."""
+        def rep(vals: list, dt: torch.dtype) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dt, device=self.device).repeat_interleave(rows_per_seq)
+
         ps = [s.params for s in seqs]
         return RowParams(temperature=rep([p.temperature for p in ps], torch.float32),
                          top_k=rep([p.top_k for p in ps], torch.int64), top_p=rep([p.top_p for p in ps], torch.float32),
@@ -119,7 +123,7 @@ class ModelRunner:
         hidden, aux = self.target.model(batch, self.kv, self.aux_ids)
         last = batch.cu_q[1:].long() - 1  # [B]
         first = choose_tokens(self.target.model.logits(hidden[last]), positions[last],
-                              self._row_params(seqs, [1] * len(seqs)))
+                              self._row_params(seqs, 1))
         for s, start, n in zip(seqs, batch.cu_q[:-1].tolist(), lens):
             s.cached_len = n
             s.features = aux[start:start + n] if aux is not None else None
@@ -150,20 +154,21 @@ class ModelRunner:
                stages: StageTimer) -> StepResult:
         """Verify the trees in one target pass, accept the longest matching paths and commit their KV;
         the accepted nodes' hidden states become each sequence's pending drafter context."""
-        B = len(seqs)
+        B, width = tree.tokens.shape
         prefix_host = [s.cached_len for s in seqs]
         prefix = torch.tensor(prefix_host, dtype=torch.int32, device=self.device)
-        q_lens = tree.num_nodes.tolist()
-        width = tree.tokens.shape[1]
+        # Every tree is verified at its full width 1 + nodes (slots past num_nodes hold token 0 seeing only
+        # itself, and are never accepted), so the pass's shape is known without reading the trees back.
+        q_lens = [width] * B
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
-        positions = (prefix[:, None] + tree.depths).long()[valid]  # [T]
-        batch = ForwardBatch.build(tree.tokens[valid], positions, q_lens, prefix_host, block_table, self.page_size,
-                                   tree.mask)
-        logits, aux = self._verify_pass(batch)  # [T, V], [T, F] or None
+        positions = (prefix[:, None] + tree.depths).long().flatten()  # [B * (1+N)]
+        batch = ForwardBatch.build(tree.tokens.flatten(), positions, q_lens, prefix_host, block_table,
+                                   self.page_size, tree.mask)
+        logits, aux = self._verify_pass(batch)  # [B * (1+N), V], [B * (1+N), F] or None
         stages.end("verify")
 
-        flat_choice = choose_tokens(logits, positions, self._row_params(seqs, q_lens))  # [T]
-        choices = torch.full_like(tree.tokens, -1).masked_scatter(valid, flat_choice)  # [B, 1+N]
+        flat_choice = choose_tokens(logits, positions, self._row_params(seqs, width))  # [B * (1+N)]
+        choices = torch.where(valid, flat_choice.view(B, width), -1)  # [B, 1+N]
         accepted, accept_len, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes, choices,
                                                        self.spec.depth)
         stages.end("accept")
@@ -171,15 +176,18 @@ class ModelRunner:
         kv_compact(self.kv.flatten(3), block_table, prefix, accepted, accept_len)  # rows [layers, P, S, R]
         kept = accepted.clamp(min=0).long()  # [B, 1+L]
         tokens = tree.tokens.gather(1, kept)  # [B, 1+L]
-        rows = batch.cu_q[:-1, None].long() + kept  # [B, 1+L] rows of this pass
-        lens, tokens, nxt = accept_len.tolist(), tokens.tolist(), next_token.tolist()
+        features = aux.view(B, width, -1).gather(1, kept[..., None].expand(-1, -1, aux.shape[-1])) \
+            if aux is not None else None  # [B, 1+L, F]
+        host = torch.cat([accept_len[:, None].long(), next_token[:, None], tokens], dim=1).tolist()  # one read
+        out = []
         for i, s in enumerate(seqs):
-            n = lens[i]
+            n, nxt, path = host[i][0], host[i][1], host[i][2:]
             s.cached_len += n
-            if aux is not None:
-                s.features = aux[rows[i, :n]]
+            if features is not None:
+                s.features = features[i, :n]
+            out.append(path[1:n] + [nxt])
         stages.end("commit")
-        return StepResult([tokens[i][1:lens[i]] + [nxt[i]] for i in range(B)], stages.seconds)
+        return StepResult(out, stages.seconds)
 
     def _draft(self, seqs: list[Sequence], roots: torch.Tensor, prefix_host: list[int],
                block_table: torch.Tensor) -> torch.Tensor:
@@ -200,7 +208,7 @@ class ModelRunner:
         tokens[:, 0] = roots
         positions = (torch.tensor(prefix_host, device=self.device)[:, None]
                      + torch.arange(blk, device=self.device)[None, :]).reshape(-1)
-        see_all = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=self.device)).expand(B, blk, -1)
+        see_all = self._see_block.expand(B, blk, -1)
         batch = ForwardBatch.build(tokens.reshape(-1), positions, [blk] * B, prefix_host, block_table,
                                    self.page_size, see_all.contiguous())
         return self._block_pass(batch)[0]

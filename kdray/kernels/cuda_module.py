@@ -45,6 +45,20 @@ def load_module(name: str, device_index: int = 0, defines: tuple[tuple[str, int]
     return module
 
 
+@functools.cache
+def _kernel(name: str, kernel: str, device_index: int, defines: tuple[tuple[str, int], ...]):
+    """The compiled kernel, with the dynamic shared memory it was last allowed (set on the function once)."""
+    return [load_module(name, device_index, defines).get_function(kernel), 48 * 1024]
+
+
+@functools.cache
+def _cupy_stream(handle: int, device_index: int):
+    """CuPy's view of a torch stream (one object per stream, reused by every launch on it)."""
+    import cupy
+
+    return cupy.cuda.ExternalStream(handle, device_index)
+
+
 def launch(name: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            shared_mem: int = 0, device: torch.device | None = None, defines: tuple[tuple[str, int], ...] = ()):
     """Launch ``kernel`` from ``kernels/cuda/<name>.cu`` on torch's current stream.
@@ -56,10 +70,11 @@ def launch(name: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...]
 
     device = device or torch.device("cuda", torch.cuda.current_device())
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fn = load_module(name, index, defines).get_function(kernel)
-    if shared_mem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = shared_mem
+    entry = _kernel(name, kernel, index, defines)
+    fn = entry[0]
+    if shared_mem > entry[1]:
+        fn.max_dynamic_shared_size_bytes = entry[1] = shared_mem
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+    stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
     with cupy.cuda.Device(index), stream:
         fn(grid, block, ptr_args, shared_mem=shared_mem)
