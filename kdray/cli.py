@@ -32,6 +32,8 @@ def _engine_flags() -> argparse.ArgumentParser:
     g.add_argument("--dtype", help="bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--max-num-seqs", type=int, help="sequences decoded together")
     g.add_argument("--max-model-len", type=int, help="context length")
+    g.add_argument("--eager", dest="cuda_graphs", action="store_const", const=False,
+                   help="run every pass eagerly (default on GPUs: verify and draft passes replay CUDA graphs)")
     return p
 
 
@@ -80,7 +82,8 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
     return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
 
 
-ENGINE = ("model", "drafter", "spec", "budget", "tp", "device", "dtype", "max_num_seqs", "max_model_len")
+ENGINE = ("model", "drafter", "spec", "budget", "tp", "device", "dtype", "max_num_seqs", "max_model_len",
+          "cuda_graphs")
 
 
 def generate(args: argparse.Namespace) -> int:

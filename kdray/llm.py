@@ -89,8 +89,8 @@ class LLM:
         if drafter is None and spec != "ar":
             drafter = builtin_drafter(model)  # a preset's shipped drafter, if any
         mode = spec or ("ddtree" if drafter is not None else "ar")
-        if cuda_graphs is None:  # replay the verify and draft passes from CUDA graphs wherever there is a GPU
-            cuda_graphs = torch.device(device).type == "cuda"
+        on_gpu = torch.device(device).type == "cuda"  # graphs replay the verify and draft passes on GPUs only
+        cuda_graphs = on_gpu if cuda_graphs is None else cuda_graphs and on_gpu
         if mode != "ar" and drafter is None:
             raise ValueError(f"spec='{mode}' needs a drafter: drafter=<DFlash checkpoint dir> or drafter='random'")
         if self.parallel.distributed == "ray":  # the weights load inside the actors

@@ -269,6 +269,17 @@ def test_cli_generate_prints_tokens_and_tau(capsys, tiny):
     assert "comma-separated" in capsys.readouterr().err
 
 
+def test_cuda_graphs_are_on_by_default_and_off_with_eager():
+    from kdray.cli import ENGINE, _given, _parser
+    from kdray.serve.app import resolve_engine_args
+
+    def engine(*flags):
+        return resolve_engine_args(ServeArgs(**_given(_parser().parse_args(["generate", "x", *flags]), *ENGINE)))
+
+    assert engine()["cuda_graphs"] is True and engine("--eager")["cuda_graphs"] is False
+    assert resolve_engine_args(ServeArgs.model_validate({"cuda_graphs": "false"}))["cuda_graphs"] is False
+
+
 def test_cli_generate_uses_the_chat_template_unless_raw(capsys, chat_model, chat_llm):
     from kdray.cli import main
 

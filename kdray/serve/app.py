@@ -47,6 +47,7 @@ class ServeArgs(BaseModel):
     dtype: str | None = None  # bfloat16 on cuda, float32 on cpu
     max_num_seqs: int = 32
     max_model_len: int | None = None
+    cuda_graphs: bool = True  # replay the verify and draft passes from CUDA graphs on GPUs (False: eager)
     max_queue: int = Field(256, ge=0)  # requests waiting beyond max_num_seqs before 503s
     api_key: str | None = None  # or KDRAY_API_KEY in the environment of `serve run`
     batch_dir: str = "~/.cache/kdray/batches"
@@ -69,7 +70,7 @@ def resolve_engine_args(a: ServeArgs) -> dict[str, Any]:
     return {"model": a.model, "device": device, "dtype": a.dtype or ("float32" if device == "cpu" else "bfloat16"),
             "drafter": a.drafter, "spec": a.spec, "budget": a.budget, "tp": a.tp,
             "distributed": "ray" if a.tp > 1 else "local", "max_num_seqs": a.max_num_seqs,
-            "max_model_len": a.max_model_len}
+            "max_model_len": a.max_model_len, "cuda_graphs": a.cuda_graphs}
 
 
 def app(args: dict[str, Any]) -> Application:
