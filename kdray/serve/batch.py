@@ -249,9 +249,13 @@ class BatchStore:
         return meta
 
     def _file_meta(self, file_id: str) -> dict:
-        path = self.root / "files" / f"{file_id}.json"
-        if not _FILE_ID.match(file_id) or not path.is_file():
-            raise APIError(404, f"file '{file_id}' not found", param="file_id", code="file_not_found")
+        return self._record("files", _FILE_ID, file_id, "file")
+
+    def _record(self, folder: str, pattern: re.Pattern, record_id: str, kind: str) -> dict:
+        """The JSON record ``<folder>/<record_id>.json``; a malformed or unknown id is a 404 naming it."""
+        path = self.root / folder / f"{record_id}.json"
+        if not pattern.match(record_id) or not path.is_file():
+            raise APIError(404, f"{kind} '{record_id}' not found", param=f"{kind}_id", code=f"{kind}_not_found")
         return json.loads(path.read_text())
 
     # batches
@@ -285,10 +289,7 @@ class BatchStore:
         return batch
 
     def get_batch(self, batch_id: str) -> dict:
-        path = self.root / "batches" / f"{batch_id}.json"
-        if not _BATCH_ID.match(batch_id) or not path.is_file():
-            raise APIError(404, f"batch '{batch_id}' not found", param="batch_id", code="batch_not_found")
-        return json.loads(path.read_text())
+        return self._record("batches", _BATCH_ID, batch_id, "batch")
 
     def list_batches(self, limit: int = 20) -> dict:
         paths = sorted((self.root / "batches").glob("batch_*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
