@@ -80,17 +80,19 @@ def main():
         ray.init(num_cpus=max(args.tp + args.gpu_tp, default=1) + 1, include_dashboard=False, logging_level="ERROR")
     runs = [("cpu", "float32", tp) for tp in args.tp]
     runs += [("cuda", "bfloat16", tp) for tp in args.gpu_tp if tp <= torch.cuda.device_count()]
+    local_step = {}  # the in-process (TP = 1) step, once per device
+    for device, dtype in dict.fromkeys((device, dtype) for device, dtype, _ in runs):
+        with LLM(device=device, dtype=dtype, **SPEC) as llm:
+            local_step[device] = step_ms(llm, args.step_batch)[0]
     rows = []
     for device, dtype, tp in runs:
         with LLM(device=device, dtype=dtype, tp=tp, distributed="ray", **SPEC) as llm:
             times = noop_us(llm, args.batch, args.tau, args.iters)
             step, verify = step_ms(llm, args.step_batch)
             groups = ", ".join(f"{g} {backend} x{n}" for g, (backend, n) in llm.engine.gang.groups.items())
-        with LLM(device=device, dtype=dtype, **SPEC) as llm:
-            local_step, _ = step_ms(llm, args.step_batch)
         med, p90 = statistics.median(times), statistics.quantiles(times, n=10)[-1]
         gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
-        rows.append([str(tp), device + gpu, groups, f"{med:.0f}", f"{p90:.0f}", f"{step:.1f}", f"{local_step:.1f}", f"{verify:.1f}",
+        rows.append([str(tp), device + gpu, groups, f"{med:.0f}", f"{p90:.0f}", f"{step:.1f}", f"{local_step[device]:.1f}", f"{verify:.1f}",
                      f"{100 * med / K2_SHARD_VERIFY_US:.1f}%", "yes" if med <= TARGET_US else "no"])
     print(f"\n# {datetime.date.today()} control path. No-op plan: {args.batch} sequences, reply {args.tau} tokens "
           f"each. k2-tiny: DDTree budget {SPEC['budget']}, block {SPEC['block_size']}, {args.step_batch} sequences. "
