@@ -1,4 +1,4 @@
-"""Control-path overhead of the Ray engine: one step plan from the coordinator to every actor loop and
+"""Control-path overhead of the Ray engine: one step plan from the engine to every actor loop and
 shard 0's reply, with the model work removed (a ``noop`` plan of a real step's shape on the same
 channel), for TP = 1, 2, 4 on the CPU and, on GPUs (NCCL groups), TP = 1 and 2 where there are enough.
 
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
 from kdray import LLM, SamplingParams  # noqa: E402
+from kdray.engine.step import StepBatch  # noqa: E402
 
 # design.md section 5: a TP8 K2 shard's INT4 expert traffic is >= 80 us per MoE layer at 16 tree nodes,
 # so >= 61 * 80 us = 4.9 ms per verify step (>= 17 ms at 256 nodes). The smaller figure is the strict one.
@@ -35,14 +36,14 @@ SPEC = {"model": "k2-tiny", "drafter": "random", "spec": "ddtree", "budget": 64,
 
 def noop_us(llm: LLM, batch: int, tau: int, iters: int) -> list[float]:
     """Round trips of a no-op plan carrying ``batch`` sequences, answered with ``tau`` tokens each (us)."""
-    gang = llm.engine.gang
-    plan = {"op": "noop", "free": [], "seqs": [[k, 1000 + k, 7] for k in range(batch)], "tau": tau}
+    runner = llm.engine.runner
+    plan = StepBatch(slots=list(range(batch)), roots=[7] * batch, prefix_lens=[1000 + k for k in range(batch)])
     for _ in range(20):
-        gang.call(plan)
+        runner.noop(plan, tau)
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        gang.call(plan)
+        runner.noop(plan, tau)
         times.append((time.perf_counter() - t) * 1e6)
     return times
 
@@ -89,7 +90,7 @@ def main():
         with LLM(device=device, dtype=dtype, tp=tp, distributed="ray", **SPEC) as llm:
             times = noop_us(llm, args.batch, args.tau, args.iters)
             step, verify = step_ms(llm, args.step_batch)
-            groups = ", ".join(f"{g} {backend} x{n}" for g, (backend, n) in llm.engine.gang.groups.items())
+            groups = ", ".join(f"{g} {backend} x{n}" for g, (backend, n) in llm.engine.runner.actors.groups.items())
         med, p90 = statistics.median(times), statistics.quantiles(times, n=10)[-1]
         gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
         rows.append([str(tp), device + gpu, groups, f"{med:.0f}", f"{p90:.0f}", f"{step:.1f}", f"{local_step[device]:.1f}", f"{verify:.1f}",

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from kdray.engine.request import SamplingParams
-from kdray.llm import LLM, builtin_drafter
+from kdray.llm import LLM
+from kdray.model.presets import builtin_drafter
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import load_target, parse_dtype
 from kdray.train_drafter import kv_pages, margin_at, topic_prompts
@@ -137,8 +138,7 @@ def bench(args, target, drafter, graphs: bool, prompts: dict, pages: int, on_row
     """Every configuration in turn -> (rows, losslessness reports); ``on_row(rows, lossless)`` after each."""
     rows, lossless, ar_outputs = [], {}, None
     for mode, budget in [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]:
-        llm = LLM(model=target, device=args.device, dtype=target.model.dtype,
-                  drafter=None if mode == "ar" else drafter, spec=mode, budget=budget or 64,
+        llm = LLM(model=target, drafter=None if mode == "ar" else drafter, spec=mode, budget=budget or 64,
                   max_num_seqs=max(args.batch, args.lossless_prompts), num_pages=pages, cuda_graphs=graphs)
         row = {"mode": mode, "budget": budget, "batch1": run(llm, prompts["b1"], args.max_tokens, True),
                "batchN": run(llm, prompts["bN"], args.max_tokens, False)}

@@ -9,39 +9,48 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
-from kdray.llm import DEFAULT_MODEL
+from kdray.engine.args import EngineArgs
+from kdray.serve.args import ServeArgs
 
 BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py"}  # name -> benchmarks/ file
 
 
-def _engine_flags() -> argparse.ArgumentParser:
-    """Flags that pick and shape the engine, shared by ``generate`` and ``serve`` (defaults: ServeArgs)."""
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help=f"a preset name, an HF checkpoint directory or a GGUF file ({DEFAULT_MODEL})")
-    g.add_argument("--drafter", help="a DFlash checkpoint directory, or 'random' (tests)")
-    g.add_argument("--spec", choices=("ddtree", "chain", "ar"), help="default: ddtree with a drafter, ar without")
-    g.add_argument("--budget", type=int, help="draft-tree nodes per sequence per step")
-    g.add_argument("--tp", type=int, help="tensor-parallel shards, one GPU each")
-    g.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
-    g.add_argument("--dtype", help="bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--max-num-seqs", type=int, help="sequences decoded together")
-    g.add_argument("--max-model-len", type=int, help="context length")
-    g.add_argument("--eager", dest="cuda_graphs", action="store_const", const=False,
-                   help="run every pass eagerly (default on GPUs: verify and draft passes replay CUDA graphs)")
-    return p
+def add_setting_flags(parser: argparse.ArgumentParser, cls, title: str):
+    """One ``--flag`` per field of the settings dataclass ``cls`` (its help from the field, its type from the
+    annotation; booleans as ``--x/--no-x``). Flags left out stay None, so the dataclass default applies."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = next((t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)), str)
+        if kind is dict:  # structured settings (autoscaling_config) belong in a config file
+            continue
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        text = f.metadata["help"] + ("" if default is None or "default" in f.metadata["help"] else
+                                     f" (default: {default})")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            group.add_argument(flag, type=kind, default=None, help=text)
+
+
+def given(args: argparse.Namespace, cls) -> dict:
+    """The fields of ``cls`` whose flags were set."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kdray", description="Kimi-K2-class MoE inference with DDTree on Ray")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", parents=[_engine_flags()], help="complete one prompt and print text and tau")
+    gen = sub.add_parser("generate", help="complete one prompt and print text and tau")
+    add_setting_flags(gen, EngineArgs, "engine")
     gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
     gen.add_argument("--token-ids", action="store_true", help="the prompt is token ids (models without a tokenizer)")
     gen.add_argument("--raw", action="store_true", help="send the text as is, without the model's chat template")
@@ -51,15 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
 
-    srv = sub.add_parser("serve", parents=[_engine_flags()], help="run the OpenAI-compatible Serve app")
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible Serve app")
     srv.add_argument("--host", default="0.0.0.0")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--address", help="Ray cluster address (default: start or join a local one)")
-    srv.add_argument("--served-model-name", help="the name clients send as 'model' (default: --model)")
-    srv.add_argument("--api-key", help="require this bearer key (default: $KDRAY_API_KEY)")
-    srv.add_argument("--max-queue", type=int, help="waiting requests beyond --max-num-seqs before 503s")
-    srv.add_argument("--num-replicas", type=int, help="engines, one per replica")
-    srv.add_argument("--batch-dir", help="where /v1/files and /v1/batches keep their data")
+    add_setting_flags(srv, ServeArgs, "engine and server")
 
     batch = sub.add_parser("batch", help="run OpenAI Batch JSONL files").add_subparsers(dest="batch_command",
                                                                                         required=True)
@@ -77,19 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _given(args: argparse.Namespace, *names: str) -> dict:
-    """The flags among ``names`` that were set; ServeArgs supplies the rest."""
-    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-
-
-ENGINE = ("model", "drafter", "spec", "budget", "tp", "device", "dtype", "max_num_seqs", "max_model_len",
-          "cuda_graphs")
-
-
 def generate(args: argparse.Namespace) -> int:
     from kdray.engine.request import SamplingParams
     from kdray.llm import LLM
-    from kdray.serve.app import ServeArgs, resolve_engine_args
 
     ids = None
     if args.token_ids:
@@ -99,7 +94,7 @@ def generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--token-ids: '{args.prompt}' is not a comma-separated list of integers") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(**resolve_engine_args(ServeArgs(**_given(args, *ENGINE))))
+    llm = LLM(**given(args, EngineArgs))
     text = args.prompt
     if ids is None and not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])  # an instruct model's turn
@@ -120,9 +115,8 @@ def serve_forever(args: argparse.Namespace) -> int:
 
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
-    options = _given(args, *ENGINE, "served_model_name", "api_key", "max_queue", "num_replicas", "batch_dir")
     try:
-        serve.run(app(options), name="kdray", route_prefix="/", blocking=True)
+        serve.run(app(given(args, ServeArgs)), name="kdray", route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C: tear the app down, as `serve run` does
         serve.shutdown()
     return 0

@@ -1,4 +1,5 @@
-"""Validated configuration dataclasses: the model, speculative decoding, parallelism and the engine.
+"""Validated configuration dataclasses of every model kdray loads (K2, Llama, the DFlash drafter) and the
+speculative step; the engine's settings are :class:`kdray.engine.args.EngineArgs`.
 
 Every user-facing value is checked where it enters (``from_hf`` / ``__post_init__``) and a bad one
 raises ``ValueError`` that names the field and says what would fix it.
@@ -7,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 K2_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 LLAMA_MODEL_TYPES = ("llama",)
+DFLASH_BLOCK_SIZE = 16  # DFlash's block (the bonus token and 15 drafts) when a checkpoint or the args name none
 
 
 def _require(raw: dict, name: str, source: str) -> Any:
@@ -330,24 +332,91 @@ def load_model_config(raw_or_path: dict | str | Path):
                      f"{', '.join(K2_MODEL_TYPES + LLAMA_MODEL_TYPES)}")
 
 
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"drafter num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.block_size < 2:
+            raise ValueError(f"drafter block_size={self.block_size} must be >= 2")
+        if not self.target_layer_ids or not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ValueError(f"drafter target_layer_ids={list(self.target_layer_ids)} must be non-empty and lie in "
+                             f"[0, num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"drafter mask_token_id={self.mask_token_id} is outside the vocabulary")
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str = "config.json") -> "DFlashConfig":
+        dc = raw.get("dflash_config") or {}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in raw] + ([] if "mask_token_id" in dc else
+                                                                 ["dflash_config.mask_token_id"])
+        if missing:
+            raise ValueError(f"{source}: DFlash drafter config lacks {', '.join(missing)}")
+        layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
+        n_target = int(raw.get("num_target_layers", 0))
+        ids = dc.get("target_layer_ids") or default_target_layer_ids(n_target, layers)
+        if any(t != "full_attention" for t in raw.get("layer_types") or []):
+            raise ValueError(f"{source}: sliding-window drafter layers are not supported")
+        rope = raw.get("rope_parameters") or {}
+        return cls(hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
+                   num_hidden_layers=layers, num_attention_heads=heads,
+                   num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
+                   head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+                   block_size=int(raw.get("block_size", dc.get("block_size", DFLASH_BLOCK_SIZE))),
+                   mask_token_id=int(dc["mask_token_id"]), target_layer_ids=tuple(int(i) for i in ids),
+                   num_target_layers=n_target or max(ids) + 1, vocab_size=int(raw["vocab_size"]),
+                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                   rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1000000.0))),
+                   max_position_embeddings=int(raw.get("max_position_embeddings", 32768)))
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": d.pop("block_size"),
+                "num_target_layers": d.pop("num_target_layers"),
+                "dflash_config": {"mask_token_id": d.pop("mask_token_id"),
+                                  "target_layer_ids": list(d.pop("target_layer_ids"))},
+                "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False, **d}
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Spread ``num_draft_layers`` ids evenly over target layers 1 .. N-3 (DFlash's default)."""
+    if num_target_layers < 1:
+        raise ValueError("num_target_layers must be given when dflash_config.target_layer_ids is absent")
+    lo = min(1, num_target_layers - 1)
+    hi = max(num_target_layers - 3, lo)
+    if num_draft_layers == 1:
+        return [(lo + hi) // 2]
+    return [round(lo + (hi - lo) * i / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
 SPEC_MODES = ("ddtree", "chain", "ar")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: ``ddtree`` (best-first draft tree), ``chain`` (plain DFlash), ``ar`` (none)."""
+    """Speculative decoding as the engine runs it: ``ddtree`` (best-first draft tree), ``chain`` (plain DFlash)
+    or ``ar`` (none). Derived from validated :class:`~kdray.engine.args.EngineArgs` and the drafter's block size."""
 
-    mode: str = "ddtree"
-    budget: int = 64
-    block_size: int = 16
-
-    def __post_init__(self):
-        if self.mode not in SPEC_MODES:
-            raise ValueError(f"spec='{self.mode}' is unknown; choose one of {', '.join(SPEC_MODES)}")
-        if self.mode == "ddtree" and not 1 <= self.budget <= 4096:
-            raise ValueError(f"budget={self.budget} must lie in [1, 4096] draft nodes")
-        if self.block_size < 2:
-            raise ValueError(f"block_size={self.block_size} must be at least 2 (the bonus token plus one draft)")
+    mode: str
+    budget: int
+    block_size: int
 
     @property
     def depth(self) -> int:
@@ -370,47 +439,5 @@ class SpecConfig:
         return 1 if self.mode == "chain" else None
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Tensor parallel width, expert placement and where the shards run."""
-
-    tp: int = 1
-    expert_parallel: bool = False
-    distributed: str = "local"
-
-    def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"tp={self.tp} must be >= 1")
-        if self.distributed not in ("local", "ray"):
-            raise ValueError(f"distributed='{self.distributed}' must be 'local' or 'ray'")
-        if self.tp > 1 and self.distributed == "local":
-            raise ValueError(f"tp={self.tp} needs distributed='ray' (one Ray actor per shard)")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Capacity of one engine: KV pages, batch bounds and context length."""
-
-    max_num_seqs: int = 32
-    max_tokens_per_step: int = 8192
-    page_size: int = 16
-    num_pages: int | None = None
-    max_model_len: int | None = None
-
-    def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size={self.page_size} must be a power of two")
-        if self.max_tokens_per_step < 1:
-            raise ValueError(f"max_tokens_per_step={self.max_tokens_per_step} must be >= 1")
-
-
-def dataclass_from_kwargs(cls, kwargs: dict):
-    """Build ``cls`` from the subset of ``kwargs`` that names its fields."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in kwargs.items() if k in names})
-
-
-__all__ = ["Int4Config", "YarnScaling", "K2Config", "Llama3Scaling", "LlamaConfig", "SpecConfig", "ParallelConfig",
-           "EngineConfig", "load_model_config", "SPEC_MODES"]
+__all__ = ["Int4Config", "YarnScaling", "K2Config", "Llama3Scaling", "LlamaConfig", "DFlashConfig", "SpecConfig",
+           "load_model_config", "default_target_layer_ids", "SPEC_MODES", "DFLASH_BLOCK_SIZE"]

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from kdray.engine.request import SamplingParams
 from kdray.model.batch import ForwardBatch
-from kdray.model.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from kdray.config import DFlashConfig, default_target_layer_ids
+from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget, load_target, parse_dtype
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash's loss decay per block size
@@ -113,9 +114,7 @@ def regenerate(target: LoadedTarget, prompts: list[list[int]], max_new_tokens: i
 
     from kdray.llm import LLM
 
-    device = next(target.model.parameters()).device
-    llm = LLM(model=target, device=str(device), dtype=target.model.dtype, spec="ar", max_num_seqs=batch,
-              max_tokens_per_step=32768,
+    llm = LLM(model=target, spec="ar", max_num_seqs=batch, max_tokens_per_step=32768,
               num_pages=kv_pages(sorted(map(len, prompts))[-batch:], max_new_tokens, 2))
     out: list[list[int]] = []
     params = SamplingParams(max_tokens=max_new_tokens)
@@ -334,11 +333,10 @@ def heldout_tau(target: LoadedTarget, drafter: DFlashDrafter, prompts: list[list
     """Tau (tokens per step) of greedy decoding with kdray's engine on held-out prompts, chain and ddtree."""
     from kdray.llm import LLM
 
-    device = str(next(target.model.parameters()).device)
     served = export(drafter, target.model.dtype)
     out = {}
     for mode in ("chain", "ddtree"):
-        llm = LLM(model=target, device=device, dtype=target.model.dtype, drafter=served, spec=mode, budget=budget,
+        llm = LLM(model=target, drafter=served, spec=mode, budget=budget,
                   max_num_seqs=len(prompts), num_pages=kv_pages([len(p) for p in prompts], max_tokens, budget + 17))
         res = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=max_tokens),
                            use_tqdm=False)
@@ -499,11 +497,6 @@ def main(argv: list[str] | None = None) -> int:
             t_train = time.perf_counter()
     bar.close()
     return 0
-
-
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def write_log(out: Path, log: dict):

@@ -1,5 +1,11 @@
+"""Shared fixtures: one SmolLM2 load and one Ray cluster with one Serve instance per test run.
+
+GPU tests carry ``@pytest.mark.gpu`` and are skipped without CUDA; ``pytest -m "not slow"`` is the fast lane.
+"""
 import pytest
 import torch
+
+RAY_CPUS = 12  # logical CPUs of the shared cluster: the Serve apps' replicas and actors, and TP = 4 engines
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +15,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real small model (SmolLM2-135M-Instruct from its GGUF), fp32 on the CPU, loaded once."""
+    from kdray.model.loader import load_target
+
+    return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by the Ray and Serve tests (started once, shut down at the end)."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(ray_cluster):
+    """One Serve instance on a free localhost port; ``deploy({prefix: builder args})`` adds apps to it."""
+    from serve_server import ServeCluster
+
+    cluster = ServeCluster()
+    yield cluster
+    cluster.shutdown()

@@ -1,7 +1,6 @@
 """A real Ray Serve instance on localhost for the serve and batch tests, and the tiny models they use."""
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import socket
@@ -46,30 +45,38 @@ def make_chat_checkpoint(path: Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def serve_apps(apps: dict[str, dict], num_cpus: int = 6):
-    """Start Ray and Serve on a free localhost port with ``{route_prefix: builder args}``; yield the base URL."""
-    import ray
-    from ray import serve
+class ServeCluster:
+    """Serve on a free localhost port of the running Ray cluster; apps are added by route prefix."""
 
-    from kdray.serve import app
+    def __init__(self):
+        from ray import serve
 
-    port = free_port()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for i, (prefix, args) in enumerate(apps.items()):
-            serve.run(app(args), name=f"app{i}", route_prefix=prefix, blocking=False)
-        base = f"http://127.0.0.1:{port}"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.apps: dict[str, str] = {}  # route prefix -> app name
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    def deploy(self, apps: dict[str, dict]) -> str:
+        """Run ``{route_prefix: builder args}`` (each under a name of its own) and wait until every one answers
+        ``/health``; return the base URL."""
+        from ray import serve
+
+        from kdray.serve import app
+
+        for prefix, args in apps.items():
+            name = self.apps[prefix] = "app-" + (prefix.strip("/").replace("/", "-") or "root")
+            serve.run(app(args), name=name, route_prefix=prefix, blocking=False)
         deadline = time.monotonic() + 120
         for prefix in apps:
-            while requests.get(f"{base}{prefix.rstrip('/')}/health", timeout=10).status_code != 200:
+            while requests.get(f"{self.base}{prefix.rstrip('/')}/health", timeout=10).status_code != 200:
                 assert time.monotonic() < deadline, f"the app at {prefix} did not become healthy"
                 time.sleep(0.2)
-        yield base
-    finally:
+        return self.base
+
+    def shutdown(self):
+        from ray import serve
+
         serve.shutdown()
-        ray.shutdown()
 
 
 def metric(base: str, name: str) -> float:

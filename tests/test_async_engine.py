@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from kdray import LLM, SamplingParams
-from kdray.actors.channel import WorkerFailure
+from kdray.engine.engine import RunnerFailure
 from kdray.serve.async_engine import AsyncEngine
 from kdray.serve.metrics import Metrics
 
@@ -21,7 +21,7 @@ class FailOnce:
         if not self.failed:
             self.failed = True
             self.engine.abort_request(self.victim)
-            raise WorkerFailure("shard 1 died (its channel closed)", (self.victim,))
+            raise RunnerFailure("shard 1 died (its channel closed)", (self.victim,))
         return self.engine.step()
 
     def __getattr__(self, name):
@@ -39,7 +39,7 @@ def test_worker_failure_fails_its_requests_and_the_engine_keeps_serving():
         return [out async for out in stream][-1]
 
     async def scenario():
-        with pytest.raises(WorkerFailure, match="shard 1 died"):
+        with pytest.raises(RunnerFailure, match="shard 1 died"):
             await asyncio.wait_for(collect("a"), 30)
         return await asyncio.wait_for(collect("b"), 30)
 

@@ -11,7 +11,6 @@ import openai
 import pytest
 import ray
 import requests
-from serve_server import serve_apps
 
 from kdray import LLM, SamplingParams
 from kdray.serve.batch import (BatchOutput, BatchRequest, Rejected, Unsent, parse_batch_input, parse_upload, run_batch,
@@ -96,12 +95,12 @@ def test_upload_parsing_keeps_the_file_bytes():
 # ---- against a running server -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A Serve instance for the rest of this file (tests that use it are marked slow)."""
+def server(serve_cluster, tmp_path_factory):
+    """k2-tiny at ``/batch`` of the shared Serve instance (tests that use it are marked slow)."""
     batch_dir = tmp_path_factory.mktemp("batches")
-    with serve_apps({"/": {"model": "k2-tiny", "device": "cpu", "max_num_seqs": 4, "batch_dir": str(batch_dir)}}) \
-            as base:
-        yield base, batch_dir
+    base = serve_cluster.deploy({"/batch": {"model": "k2-tiny", "device": "cpu", "max_num_seqs": 4,
+                                            "batch_dir": str(batch_dir)}})
+    return f"{base}/batch", batch_dir
 
 
 def _rows(n: int, slow: bool = False) -> list[dict]:
@@ -197,7 +196,7 @@ def test_server_job_killed_halfway_resumes_in_a_new_replica(server):
     output = batch_dir / "files" / f"{batch.output_file_id}.jsonl"
     written = _wait_lines(output, 8)
     (replica,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("SERVE_REPLICA::")]
+                  if a["name"].startswith("SERVE_REPLICA::app-batch#")]
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
     assert written < 50, "the job finished before it could be killed; make its requests slower"
     batch = _poll_batch(client, batch.id)

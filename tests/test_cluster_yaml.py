@@ -52,4 +52,4 @@ def test_serve_config_matches_serve_schema_and_builder_args():
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     assert app["import_path"] == "kdray.serve:app"
-    ServeArgs.model_validate(app["args"])
+    ServeArgs.parse(app["args"])

@@ -9,8 +9,9 @@ from k2_checkpoints import make_hf_k2
 
 from kdray import LLM, SamplingParams
 from kdray.config import K2Config
-from kdray.model.batch import ForwardBatch, pack_bits
+from kdray.engine.step import DraftOutput
 from kdray.kernels.tree_build import tree_build
+from kdray.model.batch import ForwardBatch, pack_bits
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
 
@@ -47,23 +48,28 @@ def test_greedy_chain_equals_ar(ar_tiny):
 def oracle(llm: LLM, reference: dict[tuple, list[int]], runner_confuse: bool = True):
     """Replace the drafter's output by logits peaked at the true continuation (second choice: a wrong token)."""
     runner = llm.engine.runner
-    V, L = llm.target.config.vocab_size, runner.spec.depth
+    V, L = llm.config.vocab_size, runner.spec.depth
+    steps = []
+    inputs = runner.inputs
 
-    def draft(seqs, roots, prefix_host, block_table):
-        logits = torch.full((len(seqs), L, V), -8.0)
-        for i, s in enumerate(seqs):
-            full = reference[tuple(s.prompt_ids)]
+    def record(batch):
+        steps.append(batch)
+        return inputs(batch)
+
+    def draft(_):
+        batch, seqs = steps[-1], {s.slot: s for s in llm.engine.scheduler.running}
+        logits = torch.full((len(batch.slots), L, V), -8.0)
+        for i, (slot, prefix) in enumerate(zip(batch.slots, batch.prefix_lens)):
+            full = reference[tuple(seqs[slot].prompt_ids)]
             for d in range(L):
-                pos = s.cached_len + 1 + d
+                pos = prefix + 1 + d
                 if pos < len(full):
                     logits[i, d, full[pos]] = 8.0
                     if runner_confuse:
                         logits[i, d, (full[pos] + 1) % V] = 0.0
-        for s in seqs:
-            s.drafted_len, s.features = s.cached_len, None
-        return logits
+        return DraftOutput(logits)
 
-    runner._draft = draft
+    runner.inputs, runner.draft = record, draft
 
 
 @pytest.mark.parametrize("spec,block,budget", [("ddtree", 4, 16), ("ddtree", 16, 64), ("chain", 16, 0)])
@@ -183,7 +189,7 @@ def chi2_critical(dof: int, z: float) -> float:
 def test_sampling_is_lossless_in_distribution(tiny_vocab_model, temperature, top_k, top_p):
     prompt = [2, 3, 4]
     ar = LLM(model=tiny_vocab_model, spec="ar")
-    m = ar.target.model
+    m = ar.engine.runner.target.model
 
     def next_probs(ids):
         kv = torch.zeros(m.cfg.num_hidden_layers, 4, 16, *m.kv_row_shape)

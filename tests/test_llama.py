@@ -38,9 +38,10 @@ def new_cache(model, tokens: int, seqs: int = 1, page_size: int = 4) -> torch.Te
     return torch.zeros(model.cfg.num_hidden_layers, pages, page_size, *model.kv_row_shape, dtype=model.dtype)
 
 
-def run(model, cache, seqs: list[list[int]], prefix_lens: list[int], tree_mask=None, positions=None, aux=()):
+def run(model, cache, seqs: list[list[int]], prefix_lens: list[int], tree_mask=None, positions=None,
+        target_layer_ids=()):
     """One pass over ``seqs`` (sequence b's tokens follow ``prefix_lens[b]`` cached ones; pages split evenly)
-    -> (fp32 logits per sequence, aux outputs)."""
+    -> (fp32 logits per sequence, the drafter's context features)."""
     q_lens = [len(s) for s in seqs]
     if positions is None:
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, q_lens)])
@@ -48,8 +49,8 @@ def run(model, cache, seqs: list[list[int]], prefix_lens: list[int], tree_mask=N
     batch = ForwardBatch.build(torch.tensor([t for s in seqs for t in s]), positions, q_lens, prefix_lens, table,
                                cache.shape[2], tree_mask)
     with torch.no_grad():
-        hidden, aux_out = model(batch, cache, aux)
-        return model.logits(hidden).split(q_lens), aux_out
+        hidden, features = model(batch, cache, target_layer_ids)
+        return model.logits(hidden).split(q_lens), features
 
 
 def hf_forward(hf, ids: list[int]):
@@ -99,13 +100,13 @@ def test_prefill_matches_transformers(tiny):
     hf, model, _ = tiny
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (11, 7)]
     cache = new_cache(model, 12, seqs=2)
-    logits, aux = run(model, cache, prompts, [0, 0], aux=(0, 1))
-    aux = aux.split([11, 7])
-    for ids, got, got_aux in zip(prompts, logits, aux):
+    logits, features = run(model, cache, prompts, [0, 0], target_layer_ids=(0, 1))
+    features = features.split([11, 7])
+    for ids, got, got_features in zip(prompts, logits, features):
         ref = hf_forward(hf, ids)
         assert rel_err(got, ref.logits[0]) < 1e-4
         # hidden_states[i + 1] is decoder layer i's output (before the final norm for all but the last layer)
-        assert rel_err(got_aux, torch.cat(ref.hidden_states[1:3], dim=-1)[0]) < 1e-4
+        assert rel_err(got_features, torch.cat(ref.hidden_states[1:3], dim=-1)[0]) < 1e-4
 
 
 def test_verify_chain_matches_full_recompute(tiny):
@@ -294,14 +295,14 @@ def test_gguf_errors(tmp_path):
 # ---------------------------------------------------------------- (b) SmolLM2-135M-Instruct from its GGUF
 
 @pytest.fixture(scope="module")
-def smollm():
+def smollm(smollm2):
     """kdray's SmolLM2 and transformers' own GGUF load of the same file (fp32 both)."""
     from kdray.model.gguf import smollm2_path
 
     path = smollm2_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return load_target("smollm2-135m"), hf.eval(), hf_tok
+    return smollm2, hf.eval(), hf_tok
 
 
 def kdray_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -72,8 +72,8 @@ def test_nccl_group_reduces_gathers_and_broadcasts_on_torch_stream():
 def test_tp1_with_the_drafter_sharing_the_gpu_equals_in_process(ray_gpus):
     reference = generate("k2-tiny", PROMPTS, 24, **ON_GPU)
     with LLM(model="k2-tiny", **SPEC_GPU, tp=1, distributed="ray") as llm:
-        assert llm.engine.gang.placement_group.bundle_specs == [{"CPU": 2, "GPU": 1}]  # shard 0 and the drafter
-        assert llm.engine.gang.groups == {"link": ("gloo", 2)}
+        assert llm.engine.runner.actors.placement_group.bundle_specs == [{"CPU": 2, "GPU": 1}]  # shard 0 and the drafter
+        assert llm.engine.runner.actors.groups == {"link": ("gloo", 2)}
         assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)) == reference
 
 
@@ -81,7 +81,7 @@ def test_tp1_with_the_drafter_sharing_the_gpu_equals_in_process(ray_gpus):
 def test_tp1_with_the_drafter_on_its_own_gpu_links_over_nccl(ray_gpus):
     reference = generate("k2-tiny", PROMPTS, 24, **ON_GPU)
     with LLM(model="k2-tiny", **SPEC_GPU, tp=1, distributed="ray") as llm:
-        assert llm.engine.gang.groups == {"link": ("nccl", 2)}
+        assert llm.engine.runner.actors.groups == {"link": ("nccl", 2)}
         assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)) == reference
 
 
@@ -93,7 +93,7 @@ def test_tp2_over_nccl_equals_in_process_in_fp32(ray_gpus, ep, graphs):
     fp32 = {"device": "cuda", "dtype": "float32", "cuda_graphs": graphs}
     reference = generate("k2-tiny", PROMPTS, 24, **fp32)
     with LLM(model="k2-tiny", **SPEC, **fp32, tp=2, expert_parallel=ep, distributed="ray") as llm:
-        assert llm.engine.gang.groups == {"tp": ("nccl", 2), "link": ("gloo", 3)}  # the drafter shares GPU 0
+        assert llm.engine.runner.actors.groups == {"tp": ("nccl", 2), "link": ("gloo", 3)}  # the drafter shares GPU 0
         assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)) == reference
 
 
@@ -109,12 +109,12 @@ def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int
     with LLM(model=int4_k2, **SPEC_GPU) as local:
         reference = tokens(local.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
         with LLM(model=int4_k2, **SPEC_GPU, tp=2, expert_parallel=ep, distributed="ray") as llm:
-            assert llm.engine.gang.groups["tp"] == ("nccl", 2)
+            assert llm.engine.runner.actors.groups["tp"] == ("nccl", 2)
             got = tokens(llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
         for prompt, ours, theirs in zip(prompts, got, reference):
             flip = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
             if flip is not None:
-                at = margin_at(local.target, prompt + theirs[:flip], [ours[flip]])
+                at = margin_at(local.engine.runner.target, prompt + theirs[:flip], [ours[flip]])
                 assert at["gaps"][0] <= NEAR_TIE * abs(at["top"]), (prompt, flip, at)
 
 
@@ -122,7 +122,7 @@ def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int
 def test_shard_killed_during_nccl_collectives_fails_its_request_and_the_next_succeeds(ray_gpus):
     with LLM(model="k2-tiny", **SPEC_GPU, tp=2, distributed="ray") as llm:
         reference = tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS))
-        first = llm.engine.gang
+        first = llm.engine.runner.actors
         killer = threading.Timer(1.0, ray.kill, [first.shards[1]])
         killer.start()
         start = time.monotonic()
@@ -132,4 +132,4 @@ def test_shard_killed_during_nccl_collectives_fails_its_request_and_the_next_suc
         killer.join()
         assert time.monotonic() - start < 30
         assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)) == reference
-        assert llm.engine.gang is not first
+        assert llm.engine.runner.actors is not first

@@ -13,10 +13,10 @@ import openai
 import pytest
 import requests
 from ray.serve import Application
-from serve_server import make_chat_checkpoint, metric, serve_apps
+from serve_server import make_chat_checkpoint, metric
 
 from kdray import LLM, SamplingParams
-from kdray.llm import DEFAULT_MODEL
+from kdray.engine.args import DEFAULT_MODEL
 from kdray.serve import ServeArgs, app
 
 pytestmark = pytest.mark.slow  # one Serve instance for the module: ~1 minute on 2 CPU cores
@@ -32,15 +32,14 @@ def chat_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory):
+def server(serve_cluster, chat_model, tmp_path_factory):
     batches = tmp_path_factory.mktemp("batches")
-    with serve_apps({
+    return serve_cluster.deploy({
         "/": {"model": "k2-tiny", "device": "cpu", "tp": 2, "batch_dir": str(batches / "tiny")},
         "/chat": {"model": str(chat_model), "served_model_name": CHAT, "device": "cpu", "drafter": "random",
                   "spec": "chain", "api_key": KEY, "max_num_seqs": 2, "max_queue": 1,
                   "batch_dir": str(batches / "chat")},
-    }) as base:
-        yield base
+    })
 
 
 @pytest.fixture(scope="module")
@@ -255,40 +254,3 @@ def test_metrics_in_prometheus_format(server):
         assert name in text, name
     assert metric(f"{server}/chat", "kdray_acceptance_length_count") >= 1
     assert metric(f"{server}/chat", "kdray_generation_tokens_total") >= 4
-
-
-def test_cli_generate_prints_tokens_and_tau(capsys, tiny):
-    from kdray.cli import main
-
-    assert main(["generate", "5,6,7,8,9", "--token-ids", "--model", "k2-tiny", "--max-tokens", "4",
-                 "--device", "cpu"]) == 0
-    out, err = capsys.readouterr()
-    assert out.strip() == ",".join(map(str, greedy(tiny, [[5, 6, 7, 8, 9]], 4)[0].token_ids))
-    assert err.startswith("tau 1.00")
-    assert main(["generate", "5,x", "--token-ids"]) == 2
-    assert "comma-separated" in capsys.readouterr().err
-
-
-def test_cuda_graphs_are_on_by_default_and_off_with_eager():
-    from kdray.cli import ENGINE, _given, _parser
-    from kdray.serve.app import resolve_engine_args
-
-    def engine(*flags):
-        return resolve_engine_args(ServeArgs(**_given(_parser().parse_args(["generate", "x", *flags]), *ENGINE)))
-
-    assert engine()["cuda_graphs"] is True and engine("--eager")["cuda_graphs"] is False
-    assert resolve_engine_args(ServeArgs.model_validate({"cuda_graphs": "false"}))["cuda_graphs"] is False
-
-
-def test_cli_generate_uses_the_chat_template_unless_raw(capsys, chat_model, chat_llm):
-    from kdray.cli import main
-
-    tok = chat_llm.tokenizer
-    seen = []
-    for flags, prompt in (([], tok.apply_chat_template([{"role": "user", "content": "hello"}])), (["--raw"], "hello")):
-        assert main(["generate", "hello", "--model", str(chat_model), "--max-tokens", "3", "--device", "cpu",
-                     *flags]) == 0
-        expect = greedy(chat_llm, [tok.encode(prompt)], 3)[0].token_ids
-        seen.append(capsys.readouterr().out.rstrip("\n"))
-        assert seen[-1] == tok.decode(expect)
-    assert seen[0] != seen[1]  # the template changed what the model saw

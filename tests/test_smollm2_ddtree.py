@@ -4,15 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kdray import LLM, SamplingParams
-from kdray.model.loader import load_target
 from kdray.train_drafter import topic_prompts
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_target("smollm2-135m")
 
 
 def test_greedy_ddtree_equals_ar_on_heldout_prompts(smollm2):

@@ -101,7 +101,7 @@ def test_lr_warms_up_then_decays_to_zero():
 
 
 def test_smollm2_ships_a_loadable_drafter_and_other_models_none():
-    from kdray.llm import builtin_drafter
+    from kdray.model.presets import builtin_drafter
 
     path = builtin_drafter("smollm2-135m")
     d = DFlashDrafter.from_pretrained(path, torch.bfloat16, "cpu")

@@ -1,8 +1,8 @@
-"""The control path: one msgpack step plan per step from the coordinator to every worker loop, small
-results back, as length-prefixed frames over a Unix socket (workers on the coordinator's node) or TCP
+"""The control path: one msgpack step plan per step from the engine to every worker loop, small
+results back, as length-prefixed frames over a Unix socket (workers on the engine's node) or TCP
 (``TCP_NODELAY``). Tensors never travel here.
 
-Workers block in ``recv`` (no busy polling). The coordinator waits for a reply while watching every
+Workers block in ``recv`` (no busy polling). The engine waits for a reply while watching every
 worker's socket: a worker that dies closes its socket, and one whose step fails sends its traceback,
 so either surfaces at once as :class:`WorkerFailure` instead of a hang.
 """
@@ -19,18 +19,16 @@ from collections.abc import Callable
 
 import msgpack
 
+from kdray.engine.engine import RunnerFailure
+
 HEADER = struct.Struct("<I")  # payload length
 POLL_S = 1.0  # how often a long wait also runs the caller's liveness check
 GRACE_S = 0.2  # after a first failure, how long to collect the others (a crash often takes peers with it)
 RECV_BYTES = 1 << 18
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(RunnerFailure):
     """A shard or drafter actor died or failed mid-step; ``request_ids`` lists the requests that failed."""
-
-    def __init__(self, message: str, request_ids: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.request_ids = tuple(request_ids)
 
 
 def pack(obj) -> bytes:
@@ -68,7 +66,7 @@ class _Conn:
 
 
 class PlanServer:
-    """Coordinator side: accepts one connection per named worker, broadcasts plans, awaits replies."""
+    """Engine side: accepts one connection per named worker, broadcasts plans, awaits replies."""
 
     def __init__(self, host: str | None):
         """Listen over TCP on ``host``, or (None) on a Unix socket, about twice as fast, for workers on
@@ -94,7 +92,7 @@ class PlanServer:
         while set(names) - set(self._peers):
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker loop(s) {sorted(set(names) - set(self._peers))} did not connect to the "
-                                    f"coordinator at {self.address} within {timeout_s:.0f} s")
+                                    f"engine at {self.address} within {timeout_s:.0f} s")
             try:
                 sock, _ = self._listener.accept()
             except TimeoutError:
@@ -114,11 +112,18 @@ class PlanServer:
             except OSError:
                 raise WorkerFailure(f"{name} died: its channel is closed") from None
 
-    def wait(self, name: str, timeout_s: float, check: Callable[[], None]) -> dict:
-        """The next reply from ``name``. Any worker's death or error raises :class:`WorkerFailure`;
-        ``check`` runs whenever ``POLL_S`` passes without news."""
+    def wait(self, names: tuple[str, ...], timeout_s: float, check: Callable[[], None]) -> list[dict]:
+        """One reply from each worker in ``names`` (in any order), returned in the order of ``names``. Any
+        worker's death or error raises :class:`WorkerFailure`; ``check`` runs whenever ``POLL_S`` passes
+        without news."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
+        replies: dict[str, dict] = {}
+        while len(replies) < len(names):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerFailure(f"no reply from {', '.join(n for n in names if n not in replies)} within "
+                                    f"{timeout_s:.0f} s; a collective is probably stuck (raise step_timeout_s if "
+                                    "steps are legitimately this slow)")
             events = self._selector.select(min(left, POLL_S))
             if not events:
                 check()
@@ -128,11 +133,10 @@ class PlanServer:
                 reply, problem = self._read(conn)
                 if problem is not None:
                     raise WorkerFailure(self._collect({peer: problem}))
-                if peer != name:
+                if peer not in names or peer in replies:
                     raise WorkerFailure(f"{peer} sent an unexpected message: {reply!r}")
-                return reply
-        raise WorkerFailure(f"no reply from {name} within {timeout_s:.0f} s; a collective is probably stuck "
-                            "(raise step_timeout_s if steps are legitimately this slow)")
+                replies[peer] = reply
+        return [replies[n] for n in names]
 
     def _read(self, conn: _Conn) -> tuple[dict | None, str | None]:
         """One frame: (the message, None), or (None, what went wrong)."""
@@ -168,7 +172,7 @@ class PlanServer:
 
 
 class PlanClient:
-    """Worker side: one connection to the coordinator, read in the worker's long-running loop."""
+    """Worker side: one connection to the engine, read in the worker's long-running loop."""
 
     def __init__(self, address: tuple[str, int] | str, name: str, timeout_s: float):
         """``address``: the server's ``(host, port)``, or its Unix socket path."""
@@ -182,7 +186,7 @@ class PlanClient:
         self.send({"hello": name})
 
     def recv(self) -> dict:
-        """The next plan; ``ConnectionError`` once the coordinator has closed the channel."""
+        """The next plan; ``ConnectionError`` once the engine has closed the channel."""
         return self._conn.recv()
 
     def send(self, obj):

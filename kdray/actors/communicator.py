@@ -2,7 +2,7 @@
 
 Both have the shape of :data:`kdray.model.parallel.SINGLE` (``rank``, ``size``, ``all_reduce``,
 ``all_gather``), so the model layers take them as their tensor-parallel group, plus ``broadcast``,
-``send`` and ``recv`` for the drafter <-> shard link. Ranks meet at a ``TCPStore`` that the coordinator
+``send`` and ``recv`` for the drafter <-> shard link. Ranks meet at a ``TCPStore`` that the engine
 hosts: each rank announces itself and waits (bounded) for the others, so a timeout names the ranks that
 never came; then the group is built and warmed with one all-reduce.
 """
@@ -22,11 +22,11 @@ class CommunicatorTimeout(TimeoutError):
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
-    """A client of the coordinator's rendezvous store."""
+    """A client of the engine's rendezvous store."""
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise CommunicatorTimeout(f"cannot reach the coordinator's rendezvous store at {host}:{port} within "
+        raise CommunicatorTimeout(f"cannot reach the engine's rendezvous store at {host}:{port} within "
                                   f"{timeout_s:.0f} s ({e}); check that this node can open TCP connections to it"
                                   ) from None
 
@@ -44,7 +44,7 @@ def join(store: dist.Store, group: str, rank: int, size: int, timeout_s: float):
         if time.monotonic() > deadline:
             raise CommunicatorTimeout(f"group '{group}': rank(s) {missing} of {size} did not join within "
                                       f"{timeout_s:.0f} s (rank {rank} waited); those actors failed to start or "
-                                      "cannot reach the coordinator's store")
+                                      "cannot reach the engine's store")
         time.sleep(JOIN_POLL_S)
 
 
@@ -72,7 +72,7 @@ class GlooGroup:
         return t.copy_(host)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns ``t``."""
+        """Sum over the group; returns the sum (in ``t`` itself only when ``t`` is contiguous)."""
         return self._staged(t.contiguous(), lambda x: self._pg.allreduce([x]).wait())
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -99,7 +99,7 @@ class GlooGroup:
 class NcclGroup:
     """An NCCL communicator through ``cupy.cuda.nccl``; every op is enqueued on torch's current stream.
 
-    Rank 0 makes the unique id and publishes it through the coordinator's store; ``ncclCommInitRank``
+    Rank 0 makes the unique id and publishes it through the engine's store; ``ncclCommInitRank``
     starts only once every rank has announced itself, so a missing rank is named instead of hanging.
     """
 
@@ -136,7 +136,7 @@ class NcclGroup:
         return torch.cuda.current_stream().cuda_stream
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns ``t``."""
+        """Sum over the group; returns the sum (in ``t`` itself only when ``t`` is contiguous)."""
         t = t.contiguous()
         ptr, n, dt = self._args(t)
         self._comm.allReduce(ptr, ptr, n, dt, self._nccl.NCCL_SUM, self._stream())

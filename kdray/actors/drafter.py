@@ -1,93 +1,55 @@
-"""``Drafter``: the DFlash drafter actor, with the target's embedding and LM head (loaded alone).
+"""``DrafterWorker``: the DFlash drafter's actor, with the target's embedding and LM head (loaded alone).
 
-Each step it receives the pending context features from shard 0, drafts and builds the trees
-(``tree_build``) and broadcasts them, packed in one buffer, to every shard.
+Each step it drafts and builds the trees (``tree_build``) and broadcasts them, packed in one buffer, to
+every shard; then it receives the accepted paths' context features from shard 0 and writes them into its
+cache. At prefill it receives the prompts' features.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from kdray.actors.worker import Loaded, Worker, pack_tree
-from kdray.config import SpecConfig, load_model_config
-from kdray.engine.runner import ModelRunner, StageTimer
-from kdray.engine.sequence import Sequence
-from kdray.llm import default_num_pages, load_drafter
-from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import LMHead, VocabEmbedding
-from kdray.model.loader import LoadedTarget, parse_dtype, resolve_model
+from kdray.actors.worker import LoadReport, Worker, pack_tree
+from kdray.engine.layout import EngineLayout, kv_pages_that_fit
+from kdray.engine.runner import ModelRunner
+from kdray.engine.step import PrefillBatch, StepBatch
+from kdray.model.loader import load_drafter, load_target, parse_dtype
 
 
-class TargetHead(nn.Module):
-    """The target's token embedding and LM head: all the drafter borrows from the target."""
-
-    def __init__(self, cfg, dtype: torch.dtype):
-        super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` -> ``[T, vocab]`` fp32, as the target computes them."""
-        return self.lm_head(hidden)
-
-    @classmethod
-    def load(cls, model: str, dtype: torch.dtype, device: torch.device) -> LoadedTarget:
-        """Read just ``model.embed_tokens`` and ``lm_head`` (or the tied embedding) of an HF checkpoint or GGUF."""
-        path = resolve_model(model)
-        if path.suffix == ".gguf":
-            from gguf import GGUFReader
-
-            from kdray.model.gguf import GGUFTensors, gguf_config
-
-            file = GGUFReader(path)
-            cfg = gguf_config(file, str(path))
-            reader, close = GGUFTensors(file, cfg, str(path)), None
-        else:
-            cfg = load_model_config(path)
-            reader = CheckpointReader(path)
-            close = reader.close
-        with torch.device(device):
-            head = cls(cfg, dtype)
-        try:
-            with torch.no_grad():
-                head.embed_tokens.load(reader, "model.embed_tokens.weight")
-                head.lm_head.load(reader, "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-        finally:
-            if close is not None:
-                close()
-        return LoadedTarget(head.eval(), cfg, None, model)
-
-
-class Drafter(Worker):
+class DrafterWorker(Worker):
     role = "drafter"
 
     @property
     def name(self) -> str:
         return "drafter"
 
-    def load(self) -> Loaded:
-        o, dtype = self.options, parse_dtype(self.options.dtype)
-        self.head = TargetHead.load(o.model, dtype, self.device)
-        self.drafter = load_drafter(o.drafter, self.head, dtype, self.device, o.block_size)
-        pages = default_num_pages(None, self.drafter, o.page_size, self.device, dtype, self.gpu_share)
-        return Loaded(kv_pages=pages, draft_config=self.drafter.cfg)
+    def load(self) -> LoadReport:
+        a, dtype = self.args, parse_dtype(self.args.dtype)
+        self.head = load_target(a.model, dtype, self.device, head_only=True)
+        self.drafter = load_drafter(a.drafter, self.head.config, dtype, self.device, a.block_size)
+        return LoadReport(kv_pages_that_fit([self.drafter], a.page_size, self.device, dtype, self.gpu_share),
+                          draft_config=self.drafter.cfg)
 
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...],
-              max_pages_per_seq: int | None) -> None:
-        self.runner = ModelRunner(self.head, self.drafter, spec, num_pages, self.options.page_size, self.device,
-                                  cuda_graphs=self.options.cuda_graphs,
-                                  max_pages_per_seq=max_pages_per_seq, target_kv=False)
+    def setup(self, layout: EngineLayout) -> None:
+        self.runner = ModelRunner(self.head, self.drafter, layout, self.device, target_kv=False)
+        self.width = len(self.drafter.cfg.target_layer_ids) * self.head.config.hidden_size  # features per token
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Nothing to run: the prompts' features arrive with the sequences' first step."""
+    def _receive(self, rows: int) -> torch.Tensor:
+        """The next ``[rows, F]`` context features from shard 0."""
+        features = torch.empty(rows, self.width, dtype=self.head.model.dtype, device=self.device)  # [rows, F]
+        return self.link.recv(features, 0)
 
-    def step(self, seqs: list[Sequence]) -> None:
-        pending = [s.cached_len - s.drafted_len for s in seqs]
-        width = len(self.drafter.cfg.target_layer_ids) * self.head.config.hidden_size
-        features = torch.empty(sum(pending), width, dtype=self.head.model.dtype, device=self.device)  # [n, F]
-        self.link.recv(features, 0)
-        for s, part in zip(seqs, features.split(pending)):
-            s.features = part
-        tree = self.runner.propose(seqs, self.runner.block_table(seqs), StageTimer(cuda=False))  # not reported
-        self.link.broadcast(pack_tree(tree), self.link.rank)
+    def prefill(self, batch: PrefillBatch) -> None:
+        positions, rows = self.runner.prompt_rows(batch)
+        self.runner.add_context(self._receive(positions.shape[0]), positions, rows)
+
+    def step(self, batch: StepBatch) -> dict:
+        r = self.runner
+        timer = r.timer()
+        inputs = r.inputs(batch)
+        self.link.broadcast(pack_tree(r.propose(inputs, timer)), self.link.rank)
+        positions, rows = r.path_rows(inputs)
+        features = self._receive(positions.shape[0])
+        timer.end(None)  # the shards' verify, accept and commit
+        r.add_context(features, positions, rows)
+        timer.end("commit")
+        return {"seconds": timer.seconds}

@@ -1,15 +1,17 @@
-"""What every actor of an engine shares: its layout options, its groups, the mirrors of the running
-sequences and the long-running loop that reads one step plan per step.
+"""What every actor of an engine shares: its groups, its runner and the long-running loop that reads one step
+plan per step.
 
-A step plan (msgpack) is ``{"op", "free", ...}``:
+A step plan (msgpack) is ``{"op", ...}``:
 
-- ``prefill``: ``add`` = ``[[key, prompt_ids, pages, temperature, top_k, top_p, seed], ...]``, the batch;
-- ``step``: ``seqs`` = ``[[key, cached_len, bonus_token], ...]``, the batch;
-- ``noop``: a step-shaped plan that does no model work (the control-path benchmark).
+- ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts``, ``pages``,
+  ``sampling`` = ``[[temperature, top_k, top_p], ...]``, ``seeds``);
+- ``step``: the fields of a :class:`~kdray.engine.step.StepBatch` (``slots``, ``roots``, ``prefix_lens``);
+- ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
+  ``tau`` copies of each root.
 
-``free`` lists keys of sequences that left the engine. Shard 0 answers ``prefill`` / ``step`` / ``noop``
-with ``{"tokens": ...}``; every other actor answers nothing unless it fails (``{"error": traceback}``).
-The loop ends when the coordinator closes the channel.
+Shard 0 answers ``prefill`` with ``{"tokens"}``, ``step`` with ``{"tokens", "seconds"}``; the drafter answers
+``step`` with ``{"seconds"}`` (its stages); other actors answer nothing unless they fail
+(``{"error": traceback}``). The loop ends when the engine closes the channel.
 """
 from __future__ import annotations
 
@@ -21,41 +23,25 @@ import torch
 
 from kdray.actors.channel import PlanClient
 from kdray.actors.communicator import BACKENDS, connect_store
-from kdray.config import SpecConfig
+from kdray.config import DFlashConfig
+from kdray.engine.args import EngineArgs
+from kdray.engine.layout import EngineLayout
 from kdray.engine.request import SamplingParams
-from kdray.engine.sequence import Sequence
+from kdray.engine.step import PrefillBatch, StepBatch
 from kdray.kernels.tree_build import DraftTree, mask_words
-from kdray.model.dflash import DFlashConfig
-from kdray.model.loader import LoadedTarget
 from kdray.model.parallel import SINGLE
-
-
-@dataclass(frozen=True)
-class GangOptions:
-    """What the actors of one engine load, where, and how long each start-up phase may take."""
-
-    model: str
-    device: str  # "cpu" or "cuda"
-    dtype: str
-    tp: int
-    expert_parallel: bool
-    drafter: str | None  # None (AR), "random" or a DFlash checkpoint directory
-    block_size: int | None
-    page_size: int
-    cuda_graphs: bool = False  # replay the verify (shards) and draft (drafter) passes from CUDA graphs
-    place_timeout_s: float = 120.0
-    join_timeout_s: float = 120.0
-    load_timeout_s: float = 3600.0
-    step_timeout_s: float = 300.0
+from kdray.model.tokenizer import Tokenizer
 
 
 @dataclass
-class Loaded:
-    """What an actor reports once its weights are in: how many KV pages fit, and (shard 0) the target's
-    config and tokenizer or (drafter) the drafter's config."""
+class LoadReport:
+    """What an actor reports once its weights are in: how many KV pages fit beside them, and (shard 0) the
+    target's config, tokenizer and name or (the drafter) the drafter's config."""
 
     kv_pages: int
-    target: LoadedTarget | None = None
+    config: object = None
+    tokenizer: Tokenizer | None = None
+    name: str = ""
     draft_config: DFlashConfig | None = None
 
 
@@ -78,26 +64,42 @@ def unpack_tree(buf: torch.Tensor, nodes: int) -> DraftTree:
                      num_nodes=num_nodes.squeeze(1).contiguous(), mask=mask.reshape(-1, n1, words).contiguous())
 
 
+def prefill_batch(plan: dict) -> PrefillBatch:
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in plan["sampling"]]
+    return PrefillBatch(plan["slots"], plan["prompts"], plan["pages"], params, plan["seeds"])
+
+
+def prefill_plan(batch: PrefillBatch) -> dict:
+    """The ``prefill`` plan of ``batch`` (what :func:`prefill_batch` reads back)."""
+    return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "pages": batch.pages,
+            "sampling": [[p.temperature, p.top_k, p.top_p] for p in batch.params], "seeds": batch.seeds}
+
+
 class Worker(ABC):
-    """Base of :class:`ShardWorker` and :class:`Drafter`: ``join`` its groups, ``load``, ``setup``, then ``run``."""
+    """Base of :class:`~kdray.actors.shard.ShardWorker` and :class:`~kdray.actors.drafter.DrafterWorker`:
+    ``join`` its groups, ``load``, ``setup``, then ``run``."""
 
     role = "worker"
 
-    def __init__(self, rank: int, options: GangOptions, gpu_share: float):
-        self.rank, self.options, self.gpu_share = rank, options, gpu_share
+    def __init__(self, rank: int, args: EngineArgs, gpu_share: float):
+        self.rank, self.args, self.gpu_share = rank, args, gpu_share
         # Ray shows an actor only its own GPU, as device 0.
-        self.device = torch.device("cuda", 0) if options.device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", 0) if args.device.startswith("cuda") else torch.device("cpu")
         self.tp, self.link = SINGLE, None
         self.runner = None
-        self.seqs: dict[int, Sequence] = {}
 
     @property
     def name(self) -> str:
         return f"{self.role} {self.rank}"
 
+    @property
+    def reports_tokens(self) -> bool:
+        """Whether this actor sends each step's tokens to the engine (shard 0 alone)."""
+        return False
+
     def join(self, host: str, port: int, groups: dict[str, tuple[str, int, int]], timeout_s: float) -> None:
-        """Join the coordinator's store at ``host:port``, then each group ``{name: (backend, rank, size)}``
-        in order (``tp``: the shards' tensor-parallel group; ``link``: the shards and the drafter)."""
+        """Join the engine's store at ``host:port``, then each group ``{name: (backend, rank, size)}`` in order
+        (``tp``: the shards' tensor-parallel group; ``link``: the shards and the drafter)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._store = connect_store(host, port, timeout_s)
@@ -106,33 +108,27 @@ class Worker(ABC):
         self.tp, self.link = made.get("tp", SINGLE), made.get("link")
 
     @abstractmethod
-    def load(self) -> Loaded:
+    def load(self) -> LoadReport:
         """Load this actor's weights."""
 
     @abstractmethod
-    def setup(self, spec: SpecConfig, num_pages: int, aux_layer_ids: tuple[int, ...],
-              max_pages_per_seq: int | None) -> None:
-        """Build the runner and the KV pages (``max_pages_per_seq``: the fixed block-table width that CUDA
-        graphs need, None without them)."""
+    def setup(self, layout: EngineLayout) -> None:
+        """Build the runner (its KV pages and per-slot state) for the engine's layout."""
 
     @abstractmethod
-    def prefill(self, seqs: list[Sequence]) -> dict | None:
-        """This actor's part of a prefill of newly admitted ``seqs``; shard 0 returns the first tokens."""
+    def prefill(self, batch: PrefillBatch) -> dict | None:
+        """This actor's part of a prefill; shard 0 returns the first tokens."""
 
     @abstractmethod
-    def step(self, seqs: list[Sequence]) -> dict | None:
-        """This actor's part of one speculative step; shard 0 returns the accepted tokens."""
-
-    @property
-    def answers(self) -> bool:
-        """Whether this actor sends the step results (shard 0 alone)."""
-        return False
+    def step(self, batch: StepBatch) -> dict | None:
+        """This actor's part of one speculative step; shard 0 returns the tokens, shard 0 and the drafter their
+        stage times."""
 
     def run(self, address: tuple[str, int] | str) -> None:
         """The step loop: this actor's one long-running call, whose ``ObjectRef`` is its liveness sentinel.
-        Reads plans until the coordinator closes the channel. A failing step sends its traceback to the
-        coordinator (which reports it) and ends the loop."""
-        channel = PlanClient(address, self.name, self.options.join_timeout_s)
+        Reads plans until the engine closes the channel. A failing step sends its traceback to the engine
+        (which reports it) and ends the loop."""
+        channel = PlanClient(address, self.name, self.args.join_timeout_s)
         try:
             with torch.no_grad():
                 while True:
@@ -140,8 +136,8 @@ class Worker(ABC):
                     if reply is not None:
                         channel.send(reply)
         except ConnectionError:
-            pass  # the coordinator released the gang (or died)
-        except Exception:  # noqa: BLE001 - handed to the coordinator, which raises WorkerFailure
+            pass  # the engine released its actors (or died)
+        except Exception:  # noqa: BLE001 - handed to the engine, which raises WorkerFailure
             try:
                 channel.send({"error": traceback.format_exc()})
             except OSError:
@@ -150,23 +146,12 @@ class Worker(ABC):
             channel.close()
 
     def _handle(self, plan: dict) -> dict | None:
-        for key in plan.get("free", ()):
-            del self.seqs[key]
         op = plan["op"]
         if op == "prefill":
-            seqs = []
-            for key, prompt, pages, temperature, top_k, top_p, seed in plan["add"]:
-                params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-                self.seqs[key] = Sequence(str(key), prompt, params, seed, pages=pages)
-                seqs.append(self.seqs[key])
-            return self.prefill(seqs)
+            return self.prefill(prefill_batch(plan))
         if op == "step":
-            seqs = []
-            for key, cached_len, bonus in plan["seqs"]:
-                s = self.seqs[key]
-                s.cached_len, s.output_ids = cached_len, [bonus]
-                seqs.append(s)
-            return self.step(seqs)
+            return self.step(StepBatch(plan["slots"], plan["roots"], plan["prefix_lens"]))
         if op == "noop":
-            return {"tokens": [[bonus] * plan["tau"] for _, _, bonus in plan["seqs"]]} if self.answers else None
+            return {"tokens": [[r] * plan["tau"] for r in plan["roots"]], "seconds": {}} if self.reports_tokens \
+                else None
         raise ValueError(f"unknown step-plan op '{op}'")

@@ -1,4 +1,9 @@
-"""The single-process engine: requests in, tokens out, one ``step()`` at a time (usable without Ray)."""
+"""The engine: requests in, tokens out, one ``step()`` at a time (the same in-process and on Ray).
+
+The engine owns request state. Its runner (a :class:`~kdray.engine.runner.ModelRunner` in this process,
+or :class:`~kdray.actors.ray_runner.RayRunner` on actors) takes host batches and returns tokens; the
+engine applies each result to its requests in one place, :meth:`Engine._advance`.
+"""
 from __future__ import annotations
 
 import random
@@ -6,12 +11,22 @@ import time
 
 from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from kdray.engine.scheduler import Scheduler
-from kdray.engine.sequence import STAGES, Sequence
+from kdray.engine.sequence import Sequence
+from kdray.engine.step import PrefillBatch, StepBatch
+
+
+class RunnerFailure(RuntimeError):
+    """The runner lost its state (a Ray actor died or failed mid-step); ``request_ids`` lists the requests
+    that failed with it."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)
 
 
 class Engine:
-    """Continuous batching over a model runner: each ``step()`` prefills newly admitted requests and runs
-    one speculative step for the rest, then reports every request that emitted tokens or finished."""
+    """Continuous batching over a runner: each ``step()`` prefills newly admitted requests and runs one
+    speculative step for the rest, then reports every request that emitted tokens or finished."""
 
     def __init__(self, runner, scheduler: Scheduler, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], model_name: str):
@@ -32,6 +47,9 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context limit is {self.max_model_len} "
                              "(prompt plus at least one generated token)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
+                             "leave them out")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed)
         need, have = self.scheduler.pages_needed(seq), self.scheduler.pool.num_pages
@@ -58,29 +76,52 @@ class Engine:
         return self.scheduler.pool.free_pages()
 
     def step(self) -> list[RequestOutput]:
-        admitted = self.scheduler.admit()
-        touched = []
-        if admitted:
-            for seq, token in zip(admitted, self.runner.prefill(admitted)):
-                self._emit(seq, [token])
-            touched += admitted
-        batch = self.scheduler.decode_batch(exclude=admitted)
-        if batch:
-            result = self.runner.step(batch)
-            share = {k: v / len(batch) for k, v in result.seconds.items()}
-            for seq, tokens in zip(batch, result.tokens):
-                seq.steps += 1
-                seq.accepted += len(tokens)
-                for k in STAGES:
-                    seq.stage_seconds[k] += share.get(k, 0.0)
-                self._emit(seq, tokens)
-            touched += batch
+        """Prefill what the scheduler admits, step what runs; a :class:`RunnerFailure` fails every running
+        request (their state is gone) and is raised naming them; waiting requests stay queued."""
+        try:
+            touched = self._run()
+        except RunnerFailure as e:
+            failed = tuple(s.request_id for s in self.scheduler.running)
+            for rid in failed:
+                self.abort_request(rid)
+            raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
         outputs = [self._output(s) for s in touched]
         for seq in touched:
             if seq.finished:
                 self.scheduler.retire(seq)
                 self._seqs.pop(seq.request_id, None)
         return outputs
+
+    def _run(self) -> list[Sequence]:
+        admitted = self.scheduler.admit()
+        if admitted:
+            first = self.runner.prefill(PrefillBatch(
+                slots=[s.slot for s in admitted], prompts=[s.prompt_ids for s in admitted],
+                pages=[s.pages for s in admitted], params=[s.params for s in admitted],
+                seeds=[s.seed for s in admitted]))
+            for seq, token in zip(admitted, first):
+                self._advance(seq, [token])
+        batch = self.scheduler.decode_batch(exclude=admitted)
+        if batch:
+            result = self.runner.step(StepBatch(slots=[s.slot for s in batch], roots=[s.output_ids[-1] for s in batch],
+                                                prefix_lens=[s.cached_len for s in batch]))
+            share = {k: v / len(batch) for k, v in result.seconds.items()}
+            for seq, tokens in zip(batch, result.tokens):
+                self._advance(seq, tokens, share)
+        return admitted + batch
+
+    def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float] | None = None):
+        """Apply a prefill's first token (``stage_seconds`` None) or a step's tokens to ``seq``: the one place
+        where request state changes after admission."""
+        if stage_seconds is None:
+            seq.cached_len = len(seq.prompt_ids)
+        else:
+            seq.cached_len += len(tokens)
+            seq.steps += 1
+            seq.accepted += len(tokens)
+            for stage, s in stage_seconds.items():
+                seq.stage_seconds[stage] += s
+        self._emit(seq, tokens)
 
     def _emit(self, seq: Sequence, tokens: list[int]):
         """Append tokens one by one, stopping exactly where autoregressive decoding would."""
@@ -91,7 +132,7 @@ class Engine:
             seq.output_ids.append(t)
             if not p.ignore_eos and t in self.eos_token_ids:
                 seq.finish_reason = "stop"
-            elif p.stop and self.tokenizer is not None and self._hit_stop(seq):
+            elif p.stop and self._hit_stop(seq):
                 seq.finish_reason = "stop"
                 return
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:

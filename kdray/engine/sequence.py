@@ -4,16 +4,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kdray.engine.request import SamplingParams
-
-STAGES = ("draft", "build", "verify", "accept", "commit")
+from kdray.engine.step import STAGES
 
 
 @dataclass
 class Sequence:
-    """Committed tokens, KV pages and the drafter's pending context of one request.
+    """Committed tokens and KV pages of one request, changed only by the engine (and its scheduler, which
+    hands out pages and slots).
 
     Invariant between steps: ``cached_len = len(prompt) + len(output) - 1``; the last output token is the
     *bonus* (chosen by the target, not yet run through it) and is the root of the next draft tree.
@@ -25,9 +23,8 @@ class Sequence:
     seed: int
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    slot: int = -1  # the runner's per-slot state (block table, sampling settings) while running
     cached_len: int = 0
-    drafted_len: int = 0  # context positions already written into the drafter's cache
-    features: torch.Tensor | None = None  # [n, F] target hidden states not yet seen by the drafter
     text: str = ""
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)

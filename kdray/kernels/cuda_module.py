@@ -14,14 +14,6 @@ import torch
 CUDA_DIR = Path(__file__).parent / "cuda"
 
 
-def cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @functools.cache
 def _arch(device_index: int) -> str:
     major, minor = torch.cuda.get_device_capability(device_index)

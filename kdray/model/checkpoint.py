@@ -51,12 +51,6 @@ class CheckpointReader:
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
     def _open(self, name: str):
         if name not in self._where:
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
@@ -67,9 +61,6 @@ class CheckpointReader:
             except Exception as e:  # safetensors raises its own error types for truncated files
                 raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from None
         return self._handles[file]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(name).get_slice(name).get_shape())
 
     def get(self, name: str, shape: tuple[int, ...], shard: tuple[int, int, int] | None = None) -> torch.Tensor:
         """Read ``name``, check that its full shape is ``shape``; ``shard=(dim, start, end)`` reads that slice."""

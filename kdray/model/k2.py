@@ -15,7 +15,7 @@ from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, RMSNorm, Rotary
 from kdray.model.parallel import SINGLE, shard_range
 
 # HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
@@ -217,31 +217,18 @@ def _check_int4_shape(reader: CheckpointReader, prefix: str, shape: tuple[int, i
 
 
 class K2Model(DecoderLM):
-    """The whole target: ``forward`` returns final hidden states and the requested layers' outputs."""
+    """The whole target: ``forward`` returns final hidden states and the drafter's context features."""
 
     def __init__(self, cfg: K2Config, dtype: torch.dtype = torch.float32, group=SINGLE, expert_parallel=False):
-        super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
-        self.layers = nn.ModuleList(
-            DecoderLayer(MLAttention(cfg, dtype, group),
-                         GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group)
-                         if i < cfg.first_k_dense_replace else MoE(cfg, dtype, group, expert_parallel),
-                         cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
-        self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=True)
+        layers = [DecoderLayer(MLAttention(cfg, dtype, group),
+                               GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group)
+                               if i < cfg.first_k_dense_replace else MoE(cfg, dtype, group, expert_parallel),
+                               cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                  for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, dtype, group, layers,
+                         Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=True))
 
     @property
     def kv_row_shape(self) -> tuple[int, ...]:
         """Values cached per token and layer (the MLA latent and the roped key)."""
         return (self.cfg.kv_cache_dim,)
-
-    def load(self, reader: CheckpointReader):
-        self.embed_tokens.load(reader, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(reader, f"model.layers.{i}")
-        self.norm.load(reader, "model.norm.weight")
-        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-        self.lm_head.load(reader, head)

@@ -218,23 +218,56 @@ class DecoderLayer(nn.Module):
         self.mlp.load(reader, f"{prefix}.mlp")
 
 
-class DecoderLM(nn.Module):
-    """The decoder loop every target shares; subclasses build ``embed_tokens``, ``layers`` (each called as
-    ``layer(h, rotary, cos, sin, batch, layer_cache)``), ``norm``, ``lm_head`` and ``rotary``."""
+class TargetHead(nn.Module):
+    """A target's token embedding and LM head (vocabulary-parallel): all that the drafter borrows from the
+    target, and the base of every target model. A tied head shares the embedding's weight."""
 
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """kv_cache ``[layers, P, S, *kv_row_shape]`` -> (hidden ``[T, H]`` after the final norm,
-        outputs of the decoder layers ``aux_layer_ids`` concatenated ``[T, len(ids) * H]``, or None)."""
-        h = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
-            if i in aux_layer_ids:
-                aux.append(h)
-        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)
+    def __init__(self, cfg, dtype: torch.dtype, group=SINGLE):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
+        if cfg.tie_word_embeddings:
+            self.lm_head.proj.weight = self.embed_tokens.weight  # both [vocab/tp, hidden], same rows
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, vocab]`` fp32."""
         return self.lm_head(hidden)
+
+    def load(self, reader: CheckpointReader):
+        """Load HF-named ``model.embed_tokens.weight`` and (untied) ``lm_head.weight``."""
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.load(reader, "lm_head.weight")
+
+
+class DecoderLM(TargetHead):
+    """The decoder loop every target shares: the head, ``layers`` (each called as
+    ``layer(h, rotary, cos, sin, batch, layer_cache)``), a final norm and the rotary embedding."""
+
+    def __init__(self, cfg, dtype: torch.dtype, group, layers: list[nn.Module], rotary: Rotary):
+        super().__init__(cfg, dtype, group)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = rotary
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, target_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_cache ``[layers, P, S, *kv_row_shape]`` -> (hidden ``[T, H]`` after the final norm, the drafter's
+        context features: outputs of the decoder layers ``target_layer_ids`` concatenated ``[T, len(ids) * H]``,
+        or None)."""
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        features = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
+            if i in target_layer_ids:
+                features.append(h)
+        return self.norm(h), (torch.cat(features, dim=-1) if features else None)
+
+    def load(self, reader: CheckpointReader):
+        """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...)."""
+        super().load(reader)
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        self.norm.load(reader, "model.norm.weight")

@@ -14,7 +14,7 @@ from kdray.config import LlamaConfig
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, LMHead, RMSNorm, Rotary, VocabEmbedding
+from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, Rotary
 from kdray.model.parallel import SINGLE, shard_range
 
 
@@ -64,34 +64,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaModel(DecoderLM):
-    """The whole target, with K2Model's interface: ``forward`` returns final hidden states and the requested
-    layers' outputs; a tied LM head shares the embedding's (vocabulary-parallel) weight."""
+    """The whole target, with K2Model's interface: ``forward`` returns final hidden states and the drafter's
+    context features."""
 
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, group=SINGLE):
-        super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
-        self.layers = nn.ModuleList(
-            DecoderLayer(LlamaAttention(cfg, dtype, group),
-                         GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group),
-                         cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, group)
-        if cfg.tie_word_embeddings:
-            self.lm_head.proj.weight = self.embed_tokens.weight  # both [vocab/tp, hidden], same rows
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=False)
+        layers = [DecoderLayer(LlamaAttention(cfg, dtype, group),
+                               GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group),
+                               cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                  for _ in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, dtype, group, layers,
+                         Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=False))
 
     @property
     def kv_row_shape(self) -> tuple[int, ...]:
         """Values cached per token and layer on this shard: keys and values of its KV heads."""
         return (2, self.layers[0].self_attn.kv_heads, self.cfg.head_dim)
-
-    def load(self, reader: CheckpointReader):
-        """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...); a tied head reads nothing."""
-        self.embed_tokens.load(reader, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(reader, f"model.layers.{i}")
-        self.norm.load(reader, "model.norm.weight")
-        if not self.cfg.tie_word_embeddings:
-            self.lm_head.load(reader, "lm_head.weight")

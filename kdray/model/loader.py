@@ -1,4 +1,9 @@
-"""From a model name (a preset, an HF checkpoint directory or a GGUF file) to a loaded target model."""
+"""Loading models by name: a preset, an HF checkpoint directory or a GGUF file -> a target (or just its
+embedding and LM head, for the drafter's actor), and a DFlash drafter checked against its target.
+
+Every path goes through :func:`open_checkpoint` (config, tensor reader, tokenizer) and the model's own
+``load(reader)``, which reads only this rank's slice of each tensor.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,9 +11,12 @@ from pathlib import Path
 
 import torch
 
-from kdray.config import load_model_config
+from kdray.config import DFLASH_BLOCK_SIZE, load_model_config
 from kdray.model.checkpoint import CheckpointReader
+from kdray.model.dflash import DFlashDrafter
 from kdray.model.k2 import K2Model
+from kdray.model.layers import TargetHead
+from kdray.model.llama import LlamaModel
 from kdray.model.parallel import SINGLE
 from kdray.model.presets import PRESETS, k2_tiny_path
 from kdray.model.tokenizer import Tokenizer
@@ -18,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LoadedTarget:
-    model: torch.nn.Module
+    model: TargetHead  # a whole target (K2Model, LlamaModel), or only its embedding and LM head
     config: object
     tokenizer: Tokenizer | None
     name: str
@@ -46,29 +54,49 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                group=SINGLE, expert_parallel: bool = False) -> LoadedTarget:
-    """Build the target for ``model`` on ``device`` with this rank's slice of the weights."""
-    torch_dtype, path = parse_dtype(dtype), resolve_model(model)
+def open_checkpoint(path: Path):
+    """(config, tensor reader with ``get`` and ``close``, tokenizer or None) of an HF directory or a GGUF file."""
     if path.suffix == ".gguf":
-        from kdray.model.gguf import load_gguf_target
+        from kdray.model.gguf import open_gguf
 
-        loaded = load_gguf_target(path, torch_dtype, device, group)
-        loaded.name = model
-        return loaded
-    cfg = load_model_config(path)
+        return open_gguf(path)
+    return load_model_config(path), CheckpointReader(path), Tokenizer.from_dir(path)
+
+
+def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                group=SINGLE, expert_parallel: bool = False, head_only: bool = False) -> LoadedTarget:
+    """Build the target for ``model`` on ``device`` with this rank's slice of the weights; ``head_only`` builds
+    just the embedding and LM head (what the drafter borrows)."""
+    torch_dtype = parse_dtype(dtype)
+    cfg, reader, tokenizer = open_checkpoint(resolve_model(model))
     with torch.device(device):
-        if cfg.architecture == "k2":
+        if head_only:
+            net = TargetHead(cfg, torch_dtype)
+        elif cfg.architecture == "k2":
             net = K2Model(cfg, torch_dtype, group, expert_parallel)
         else:
-            from kdray.model.llama import LlamaModel
-
             net = LlamaModel(cfg, torch_dtype, group)
-    reader = CheckpointReader(path)
     try:
         with torch.no_grad():
             net.load(reader)
     finally:
         reader.close()
-    tok = Tokenizer.from_dir(path)
-    return LoadedTarget(net.eval(), cfg, tok, model)
+    return LoadedTarget(net.eval(), cfg, tokenizer, model)
+
+
+def load_drafter(drafter: str | DFlashDrafter | None, target_config, dtype: torch.dtype, device,
+                 block_size: int | None) -> DFlashDrafter | None:
+    """None, ``"random"`` (shaped to the target, for tests), a DFlash checkpoint directory or a loaded drafter,
+    checked against the target it drafts for."""
+    if drafter is None:
+        return None
+    if isinstance(drafter, str) and drafter == "random":
+        return DFlashDrafter.random_for(target_config, block_size or DFLASH_BLOCK_SIZE, dtype, device)
+    d = drafter if isinstance(drafter, DFlashDrafter) else DFlashDrafter.from_pretrained(drafter, dtype, device)
+    if d.cfg.hidden_size != target_config.hidden_size or d.cfg.vocab_size != target_config.vocab_size:
+        raise ValueError(f"drafter '{drafter}' (hidden {d.cfg.hidden_size}, vocab {d.cfg.vocab_size}) does not match "
+                         f"the target (hidden {target_config.hidden_size}, vocab {target_config.vocab_size})")
+    if max(d.cfg.target_layer_ids) >= target_config.num_hidden_layers:
+        raise ValueError(f"drafter '{drafter}' reads target layers {list(d.cfg.target_layer_ids)}, but the target has "
+                         f"{target_config.num_hidden_layers}")
+    return d

@@ -29,6 +29,7 @@ K2_TINY = {
 }
 K2_TINY_SEED = 20260711
 PRESETS = ("k2-tiny", "smollm2-135m")
+BUILTIN_DRAFTERS = Path(__file__).resolve().parent.parent / "assets" / "drafters"  # <preset>/ in the DFlash layout
 
 
 def cache_dir() -> Path:
@@ -107,3 +108,9 @@ def k2_tiny_path() -> Path:
     if not (path / "model.safetensors").is_file():
         write_checkpoint(path, K2_TINY, k2_random_tensors(K2Config.from_hf(K2_TINY), K2_TINY_SEED))
     return path
+
+
+def builtin_drafter(model: str) -> str | None:
+    """The drafter shipped for a preset (``kdray/assets/drafters/<preset>/``), or None."""
+    path = BUILTIN_DRAFTERS / model
+    return str(path) if model in PRESETS and (path / "config.json").is_file() else None

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kdray.actors.channel import WorkerFailure
+from kdray.engine.engine import RunnerFailure
 from kdray.engine.request import RequestOutput, SamplingParams
 from kdray.serve.metrics import Metrics
 
@@ -203,7 +203,7 @@ class AsyncEngine:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except WorkerFailure as e:  # a Ray actor died: its requests fail, the engine rebuilds for the rest
+        except RunnerFailure as e:  # a Ray actor died: its requests fail, the engine rebuilds for the rest
             for rid in e.request_ids:
                 live = self._live.pop(rid, None)
                 if live is not None:

@@ -76,7 +76,9 @@ class OpenAIServing:
         if room < 1:
             raise APIError(400, f"{field}: {prompt_len} tokens leave no room in the context of {self.max_model_len} "
                            "tokens; shorten it", param=field, code="context_length_exceeded")
-        wanted = req.max_tokens or (room if chat else DEFAULT_COMPLETION_TOKENS)
+        if req.max_tokens is None:  # the default, clamped to the room left (as vLLM does)
+            return room if chat else min(room, DEFAULT_COMPLETION_TOKENS)
+        wanted = req.max_tokens
         if wanted > room:
             raise APIError(400, f"max_tokens: {wanted} new tokens plus the {prompt_len}-token prompt exceed the "
                            f"context of {self.max_model_len}; ask for at most {room}", param="max_tokens",

@@ -44,15 +44,16 @@ class RowParams:
 
 
 def choose_tokens(logits: torch.Tensor, positions: torch.Tensor, p: RowParams) -> torch.Tensor:
-    """logits ``[R, V]`` fp32, positions ``[R]`` -> chosen token ids ``[R]`` int64."""
+    """logits ``[R, V]`` fp32, positions ``[R]`` -> chosen token ids ``[R]`` int64, with no host sync: in a batch
+    that samples at all, every row is sampled and greedy rows keep their argmax."""
     choice = logits.argmax(-1)
     if p.all_greedy:
         return choice
-    rows = (p.temperature > 0).nonzero(as_tuple=True)[0]
-    x = logits[rows] / p.temperature[rows, None]  # [S, V]
-    x = _filter_top_k_top_p(x, p.top_k[rows], p.top_p[rows])
-    sampled = (x + gumbel_noise(p.seeds[rows], positions[rows], x.shape[-1])).argmax(-1)
-    return choice.index_put((rows,), sampled)
+    sampling = p.temperature > 0  # [R]
+    x = logits / torch.where(sampling, p.temperature, 1.0)[:, None]  # [R, V]
+    x = _filter_top_k_top_p(x, p.top_k, p.top_p)
+    sampled = (x + gumbel_noise(p.seeds, positions, x.shape[-1])).argmax(-1)
+    return torch.where(sampling, sampled, choice)
 
 
 def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

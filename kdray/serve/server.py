@@ -12,16 +12,17 @@ import inspect
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from kdray.llm import DEFAULT_MODEL, LLM
+from kdray.llm import LLM
+from kdray.serve.args import ServeArgs
 from kdray.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from kdray.serve.batch import BatchStore, parse_upload
 from kdray.serve.metrics import Metrics
@@ -32,30 +33,6 @@ logger = logging.getLogger("kdray.serve")
 api = FastAPI(title="kdray", description="OpenAI-compatible API over the kdray engine")
 
 
-class ServeArgs(BaseModel):
-    """What ``serve run kdray.serve:app key=value ...`` (or a config YAML's ``args``) may set."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None  # the name clients send as "model"; defaults to ``model``
-    drafter: str | None = None
-    spec: str | None = None  # ddtree | chain | ar; the engine picks ddtree with a drafter, ar without
-    budget: int = 64
-    tp: int = 1
-    device: str | None = None  # cuda when the cluster has GPUs, else cpu
-    dtype: str | None = None  # bfloat16 on cuda, float32 on cpu
-    max_num_seqs: int = 32
-    max_model_len: int | None = None
-    cuda_graphs: bool = True  # replay the verify and draft passes from CUDA graphs on GPUs (False: eager)
-    max_queue: int = Field(256, ge=0)  # requests waiting beyond max_num_seqs before 503s
-    api_key: str | None = None  # or KDRAY_API_KEY in the environment of `serve run`
-    batch_dir: str = "~/.cache/kdray/batches"
-    num_replicas: int = 1
-    autoscaling_config: dict | None = None  # Serve's AutoscalingConfig; replaces num_replicas
-    max_ongoing_requests: int = 1024
-
-
 def _default_device() -> str:
     import ray
     import torch
@@ -64,29 +41,18 @@ def _default_device() -> str:
     return "cuda" if gpus or torch.cuda.is_available() else "cpu"
 
 
-def resolve_engine_args(a: ServeArgs) -> dict[str, Any]:
-    """``kdray.LLM`` keyword arguments for ``a``, with the device and dtype defaults filled in."""
-    device = a.device or _default_device()
-    return {"model": a.model, "device": device, "dtype": a.dtype or ("float32" if device == "cpu" else "bfloat16"),
-            "drafter": a.drafter, "spec": a.spec, "budget": a.budget, "tp": a.tp,
-            "distributed": "ray" if a.tp > 1 else "local", "max_num_seqs": a.max_num_seqs,
-            "max_model_len": a.max_model_len, "cuda_graphs": a.cuda_graphs}
-
-
 def app(args: dict[str, Any]) -> Application:
     """Serve application builder: ``args`` are :class:`ServeArgs` fields."""
-    a = ServeArgs.model_validate(args or {})
-    llm = resolve_engine_args(a)
-    gpus = 1 if llm["device"] != "cpu" and a.tp == 1 else 0  # with tp > 1 the shard actors hold the GPUs
+    a = ServeArgs.parse(args or {})
+    a = replace(a, device=a.device or _default_device())
+    gpus = 1 if a.device != "cpu" and a.tp == 1 else 0  # with tp > 1 the shard actors hold the GPUs
     options: dict[str, Any] = {"max_ongoing_requests": a.max_ongoing_requests,
                                "ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
     if a.autoscaling_config:
         options["autoscaling_config"] = a.autoscaling_config
     else:
         options["num_replicas"] = a.num_replicas
-    return KdrayServer.options(**options).bind(
-        llm, served_model_name=a.served_model_name or a.model, api_key=a.api_key or os.environ.get("KDRAY_API_KEY"),
-        max_queue=a.max_queue, batch_dir=a.batch_dir)
+    return KdrayServer.options(**options).bind(replace(a, api_key=a.api_key or os.environ.get("KDRAY_API_KEY")))
 
 
 def _api_error(e: Exception, route: str) -> APIError:
@@ -107,14 +73,13 @@ def _api_error(e: Exception, route: str) -> APIError:
 class KdrayServer:
     """One engine per replica; routes only translate HTTP to :class:`OpenAIServing` and back."""
 
-    async def __init__(self, llm_kwargs: dict, served_model_name: str, api_key: str | None, max_queue: int,
-                       batch_dir: str):
-        self.llm = await asyncio.to_thread(LLM, **llm_kwargs)
+    async def __init__(self, args: ServeArgs):
+        self.llm = await asyncio.to_thread(LLM, **args.engine_kwargs())
         self.metrics = Metrics()
-        self.engine = AsyncEngine(self.llm.engine, llm_kwargs["max_num_seqs"], max_queue, self.metrics)
-        self.openai = OpenAIServing(self.engine, served_model_name)
-        self.api_key = api_key
-        self.batches = BatchStore(batch_dir, self._send_batch_request, llm_kwargs["max_num_seqs"])
+        self.engine = AsyncEngine(self.llm.engine, args.max_num_seqs, args.max_queue, self.metrics)
+        self.openai = OpenAIServing(self.engine, args.served_model_name or args.model)
+        self.api_key = args.api_key
+        self.batches = BatchStore(args.batch_dir, self._send_batch_request, args.max_num_seqs)
         self.batches.start()
 
     def check_health(self):

@@ -1,0 +1,262 @@
+"""The engine's model work on Ray actors: :class:`EngineActors` (``tp`` shards and a drafter in one placement
+group), :class:`RayModels` (what the engine builder loads and starts for ``distributed="ray"``) and
+:class:`RayRunner`, the runner the engine steps.
+
+The engine (and so the coordination) lives in the process that owns it (the ``LLM``'s, or a Serve replica's):
+a step costs no Ray call. One msgpack plan goes to every actor loop over the channel, and shard 0's and the
+drafter's replies come back; tensors move between the actors over their groups (NCCL on GPUs, gloo on CPUs).
+"""
+from __future__ import annotations
+
+import weakref
+
+import ray
+import torch.distributed as dist
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kdray.actors.channel import PlanServer, WorkerFailure, pack
+from kdray.actors.communicator import CommunicatorTimeout, missing_ranks
+from kdray.actors.drafter import DrafterWorker
+from kdray.actors.shard import ShardWorker
+from kdray.actors.worker import LoadReport, prefill_plan
+from kdray.engine.args import EngineArgs
+from kdray.engine.layout import EngineLayout, ModelFacts
+from kdray.engine.step import PrefillBatch, StepBatch, StepResult, add_seconds
+from kdray.model.loader import resolve_model
+from kdray.model.presets import PRESETS
+
+ShardActor = ray.remote(ShardWorker)
+DrafterActor = ray.remote(DrafterWorker)
+JOIN_MARGIN_S = 10.0  # the engine waits this much longer than the ranks themselves
+
+
+def connect_ray():
+    """Join a running cluster (``address="auto"``), or start a local one; an existing connection is kept."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto")
+    except ConnectionError:
+        ray.init()
+
+
+class _Held:
+    """Everything the actors of one engine hold, released once: explicitly, when collected, or at exit."""
+
+    def __init__(self):
+        self.actors: list = []
+        self.pg = None
+        self.server: PlanServer | None = None
+        self.store: dist.Store | None = None
+
+    def release(self):
+        if self.server is not None:
+            self.server.close()
+        if ray.is_initialized():
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+        self.actors, self.pg, self.server, self.store = [], None, None, None
+
+
+class EngineActors:
+    """The actors of one engine: ``tp`` shards and (unless AR) a drafter, in one STRICT_PACK placement group
+    with one bundle per shard and one for the drafter (or, when no node has a GPU to spare, the drafter takes
+    half of shard 0's GPU, in shard 0's bundle)."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self._held = _Held()
+        self._release = weakref.finalize(self, self._held.release)
+        self.shards: list = []
+        self.drafter = None
+        self.loops: dict[str, ray.ObjectRef] = {}
+        self.groups: dict[str, tuple[str, int]] = {}  # group name -> (backend, size), once launched
+
+    @property
+    def placement_group(self):
+        return self._held.pg
+
+    @property
+    def actors(self) -> dict[str, object]:
+        named = {f"shard {r}": a for r, a in enumerate(self.shards)}
+        return named | ({"drafter": self.drafter} if self.drafter is not None else {})
+
+    def _drafter_shares_gpu(self) -> bool:
+        if not self.args.device.startswith("cuda") or self.args.drafter is None:
+            return False
+        per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        return per_node < self.args.tp + 1
+
+    def launch(self) -> list[LoadReport]:
+        """Place the actors, join their groups (warmed, bounded), load the weights; one report per actor, in
+        rank order (shards, then the drafter)."""
+        a = self.args
+        gpu, shared, drafter = a.device.startswith("cuda"), self._drafter_shares_gpu(), a.drafter is not None
+        bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(a.tp + (drafter and not shared))]
+        homes, parts = list(range(a.tp + drafter)), [1.0] * (a.tp + drafter)  # bundle and GPU fraction per rank
+        if shared:
+            bundles[0] = {"CPU": 2, "GPU": 1}
+            homes[-1], parts[0], parts[-1] = 0, 0.5, 0.5
+        pg = self._held.pg = placement_group(bundles, strategy="STRICT_PACK")
+        if not ray.wait([pg.ready()], timeout=a.place_timeout_s)[0]:
+            raise RuntimeError(f"Ray could not place {bundles} on one node within {a.place_timeout_s:.0f} s "
+                               f"(available: {ray.available_resources()}); free resources or lower tp")
+        for rank, (home, part) in enumerate(zip(homes, parts)):
+            actor = (ShardActor if rank < a.tp else DrafterActor).options(
+                num_cpus=1, num_gpus=part if gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=home),
+            ).remote(rank, a, part)
+            if rank < a.tp:
+                self.shards.append(actor)
+            else:
+                self.drafter = actor
+        self._held.actors = list(self.actors.values())
+
+        host = ray.util.get_node_ip_address()
+        store = self._held.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        sizes = ({"tp": a.tp} if a.tp > 1 else {}) | ({"link": a.tp + 1} if drafter else {})
+        backends = {"tp": "nccl" if gpu else "gloo",
+                    "link": "nccl" if gpu and not shared else "gloo"}  # NCCL refuses two ranks on one GPU
+        self.groups = {g: (backends[g], n) for g, n in sizes.items()}
+        calls = [actor.join.remote(host, store.port, {g: (backends[g], rank, n) for g, n in sizes.items()
+                                                      if g == "link" or rank < a.tp}, a.join_timeout_s)
+                 for rank, actor in enumerate(self.actors.values())]
+
+        def absent() -> str:
+            gone = {g: missing_ranks(store, g, n) for g, n in sizes.items()}
+            return "; ".join(f"group '{g}' is missing rank(s) {m}" for g, m in gone.items() if m)
+
+        self._gather(calls, a.join_timeout_s + JOIN_MARGIN_S, "join their communicators", absent)
+        return self._gather([actor.load.remote() for actor in self.actors.values()], a.load_timeout_s,
+                            "load weights")
+
+    def start(self, layout: EngineLayout):
+        """Build every runner, start every loop and connect it to the channel."""
+        actors = self.actors
+        self._gather([actor.setup.remote(layout) for actor in actors.values()], self.args.load_timeout_s,
+                     "build their runners")
+        here = ray.get_runtime_context().get_node_id()
+        same_node = set(ray.util.placement_group_table(self._held.pg)["bundles_to_node_id"].values()) == {here}
+        server = self._held.server = PlanServer(None if same_node else ray.util.get_node_ip_address())
+        self.loops = {name: actor.run.remote(server.address) for name, actor in actors.items()}
+        server.accept(list(self.loops), self.args.join_timeout_s, self.check)
+
+    def _gather(self, refs: list, timeout_s: float, what: str, absent=lambda: "") -> list:
+        """``ray.get`` with a bound; a timeout names the actors that did not finish."""
+        names = list(self.actors)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = [names[refs.index(p)] for p in pending]
+            detail = absent()
+            raise CommunicatorTimeout(f"{', '.join(late)} did not {what} within {timeout_s:.0f} s"
+                                      + (f" ({detail})" if detail else ""))
+        return ray.get(refs)
+
+    def check(self):
+        """Raise :class:`WorkerFailure` if an actor's loop has ended (the actor died or its loop failed)."""
+        ended, _ = ray.wait(list(self.loops.values()), num_returns=len(self.loops), timeout=0)
+        for name, ref in self.loops.items():
+            if ref in ended:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    raise WorkerFailure(f"{name} is gone: {e}") from None
+                raise WorkerFailure(f"{name} left its step loop")
+
+    def call(self, plan: dict, replies: tuple[str, ...] = ("shard 0",)) -> list[dict]:
+        """Send one plan to every loop and return the replies of ``replies``, in that order."""
+        server = self._held.server
+        server.broadcast(pack(plan))
+        return server.wait(replies, self.args.step_timeout_s, self.check)
+
+    def release(self):
+        """Kill every actor and remove the placement group (their GPUs are free again)."""
+        self._release()
+
+
+class RayModels:
+    """The engine builder's view of the actors: ``load`` launches them (they load the weights) and reports
+    the facts; ``start`` builds their runners and returns the :class:`RayRunner`."""
+
+    def __init__(self, args: EngineArgs):
+        connect_ray()
+        if args.model in PRESETS:  # written on first use: once here, not by every actor of this node at once
+            resolve_model(args.model)
+        self.args = args
+        self.actors = EngineActors(args)
+
+    def load(self) -> ModelFacts:
+        try:
+            reports = self.actors.launch()
+        except BaseException:
+            self.actors.release()
+            raise
+        shard0 = reports[0]
+        return ModelFacts(shard0.config, shard0.tokenizer, shard0.name,
+                          reports[-1].draft_config if self.args.drafter is not None else None,
+                          min(r.kv_pages for r in reports))
+
+    def start(self, layout: EngineLayout) -> RayRunner:
+        try:
+            self.actors.start(layout)
+        except BaseException:
+            self.actors.release()
+            raise
+        return RayRunner(self.args, layout, self.actors)
+
+
+class RayRunner:
+    """What the engine asks of a runner (``prefill``, ``step``), done as step plans on :class:`EngineActors`.
+
+    When an actor dies or fails, the call raises :class:`WorkerFailure` naming it; the actors are released and
+    the next call launches new ones (with the same layout), which serve the requests still waiting.
+    """
+
+    def __init__(self, args: EngineArgs, layout: EngineLayout, actors: EngineActors):
+        self.args, self.layout = args, layout
+        self.actors: EngineActors | None = actors
+        self._closed = False
+
+    def _call(self, plan: dict, replies: tuple[str, ...]) -> list[dict]:
+        if self._closed:
+            raise RuntimeError("this engine was shut down; create a new LLM")
+        if self.actors is None:
+            actors = EngineActors(self.args)
+            try:
+                actors.launch()
+                actors.start(self.layout)
+            except BaseException:
+                actors.release()
+                raise
+            self.actors = actors
+        try:
+            return self.actors.call(plan, replies)
+        except WorkerFailure as e:
+            self.actors.release()
+            self.actors = None
+            raise WorkerFailure(f"{e}\nthe engine starts new actors at its next step") from None
+
+    def prefill(self, batch: PrefillBatch) -> list[int]:
+        return self._call(prefill_plan(batch), ("shard 0",))[0]["tokens"]
+
+    def step(self, batch: StepBatch) -> StepResult:
+        plan = {"op": "step", "slots": batch.slots, "roots": batch.roots, "prefix_lens": batch.prefix_lens}
+        drafter = ("drafter",) if self.args.drafter is not None else ()
+        shard, *draft = self._call(plan, ("shard 0", *drafter))
+        return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)))
+
+    def noop(self, batch: StepBatch, tau: int) -> list[list[int]]:
+        """A step-shaped plan with no model work (the control-path benchmark)."""
+        plan = {"op": "noop", "slots": batch.slots, "roots": batch.roots, "prefix_lens": batch.prefix_lens,
+                "tau": tau}
+        return self._call(plan, ("shard 0",))[0]["tokens"]
+
+    def shutdown(self):
+        """Release every actor, the placement group and their GPUs; the engine cannot step afterwards."""
+        self._closed = True
+        if self.actors is not None:
+            self.actors.release()
+            self.actors = None

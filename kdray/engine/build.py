@@ -1,0 +1,59 @@
+"""One engine builder for every layout: load the models (here, or in Ray actors), plan the engine's shapes
+from what they report, start the runner(s), and put the scheduler and the engine on top."""
+from __future__ import annotations
+
+import torch
+
+from kdray.engine.args import EngineArgs
+from kdray.engine.engine import Engine
+from kdray.engine.kv_pages import PagePool
+from kdray.engine.layout import EngineLayout, ModelFacts, kv_pages_that_fit
+from kdray.engine.runner import ModelRunner
+from kdray.engine.scheduler import Scheduler
+from kdray.model.dflash import DFlashDrafter
+from kdray.model.loader import LoadedTarget, load_drafter, load_target, parse_dtype
+
+
+class LocalModels:
+    """The target and the drafter in this process (loaded here, or given already loaded)."""
+
+    def __init__(self, args: EngineArgs, target: LoadedTarget | None = None, drafter: DFlashDrafter | None = None):
+        self.args, self.target, self.drafter = args, target, drafter
+
+    def load(self) -> ModelFacts:
+        a = self.args
+        device, dtype = torch.device(a.device), parse_dtype(a.dtype)
+        if self.target is None:
+            self.target = load_target(a.model, dtype, device, expert_parallel=a.expert_parallel)
+        source = None if a.spec == "ar" else (self.drafter or a.drafter)
+        self.drafter = load_drafter(source, self.target.config, dtype, device, a.block_size)
+        models = [m for m in (self.target.model, self.drafter) if m is not None]
+        return ModelFacts(self.target.config, self.target.tokenizer, self.target.name,
+                          self.drafter.cfg if self.drafter is not None else None,
+                          kv_pages_that_fit(models, a.page_size, device, dtype))
+
+    def start(self, layout: EngineLayout) -> ModelRunner:
+        return ModelRunner(self.target, self.drafter, layout, torch.device(self.args.device))
+
+
+def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
+                 drafter: DFlashDrafter | None = None) -> tuple[Engine, ModelFacts]:
+    """An engine for ``args`` (resolved here); ``target`` / ``drafter`` may be given already loaded (in-process
+    only). Returns the engine and the facts the models reported (config, tokenizer, name)."""
+    args = args.resolve(drafter_given=drafter is not None)
+    if args.distributed == "ray":
+        if target is not None or drafter is not None:
+            raise ValueError("distributed='ray' loads the models inside the actors: pass model= and drafter= as "
+                             "names or paths, not loaded objects")
+        from kdray.actors.ray_runner import RayModels  # Ray is needed for this layout only
+
+        models = RayModels(args)
+    else:
+        models = LocalModels(args, target, drafter)
+    facts = models.load()
+    layout = EngineLayout.plan(args, facts)
+    runner = models.start(layout)
+    cfg, tok = facts.config, facts.tokenizer
+    eos = cfg.eos_token_ids or (tok.eos_token_ids if tok else ())
+    scheduler = Scheduler(PagePool(layout.num_pages, args.page_size), layout, args.max_tokens_per_step)
+    return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name), facts

@@ -1,0 +1,135 @@
+"""What flows through one speculative step, stage by stage.
+
+The engine hands a runner a :class:`PrefillBatch` or a :class:`StepBatch` (host values, one entry per
+sequence); the runner turns a step batch into :class:`StepInputs` (device tensors) and runs the five
+stages, each a method of :class:`~kdray.engine.runner.ModelRunner` that takes and returns these
+dataclasses::
+
+    draft(StepInputs) -> DraftOutput                                   the drafter's per-depth logits
+    build_tree(DraftOutput, StepInputs) -> DraftTree                   best-first tree (or a chain, or the root)
+    verify(DraftTree, StepInputs) -> Verified                          one target pass over every tree node
+    accept(Verified, DraftTree, StepInputs) -> Accepted                the longest path the target agrees with
+    commit(Accepted, DraftTree, Verified, StepInputs) -> Committed     its KV and drafter context kept
+
+Only :meth:`Committed.tokens` reads device memory back, once per step. Request state is changed by
+the engine alone, from the :class:`StepResult`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kdray.engine.request import SamplingParams
+from kdray.spec.sampling import RowParams
+
+STAGES = ("draft", "build", "verify", "accept", "commit")
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Newly admitted sequences: their slots, prompts, KV pages and sampling settings."""
+
+    slots: list[int]
+    prompts: list[list[int]]
+    pages: list[list[int]]
+    params: list[SamplingParams]
+    seeds: list[int]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Sequences that take one speculative step: slot, bonus token (the tree's root) and cached length."""
+
+    slots: list[int]
+    roots: list[int]
+    prefix_lens: list[int]
+
+
+@dataclass
+class StepInputs:
+    """A step batch on the device, with the per-slot state written at prefill."""
+
+    roots: torch.Tensor  # [B] int64 bonus tokens
+    prefix_lens: torch.Tensor  # [B] int32 cached lengths
+    prefix_host: list[int]
+    block_table: torch.Tensor  # [B, max_pages] int32
+    params: RowParams  # one row per sequence
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # [B, L, V] fp32: the drafter's logits at depths 1..L
+
+
+@dataclass
+class Verified:
+    logits: torch.Tensor  # [B * (1+N), V] fp32: the target's logits at every tree node
+    positions: torch.Tensor  # [B * (1+N)] int64
+    features: torch.Tensor | None  # [B * (1+N), F]: the drafter's context features at every node
+
+
+@dataclass
+class Accepted:
+    nodes: torch.Tensor  # [B, 1+L] int32: accepted node indices along the path (-1 past its end)
+    length: torch.Tensor  # [B] int32: accepted nodes, the root included
+    next_token: torch.Tensor  # [B] int64: the target's choice after the path (the next bonus token)
+
+
+@dataclass
+class Committed:
+    path: torch.Tensor  # [B, 1+L] int64: the accepted path's tokens (root first)
+    length: torch.Tensor  # [B] int32
+    next_token: torch.Tensor  # [B] int64
+    features: torch.Tensor | None  # [B, 1+L, F]: the path's context features, handed to the drafter
+
+    def tokens(self) -> list[list[int]]:
+        """Per sequence, the tokens this step emits (the accepted drafts, then the next bonus): one host read."""
+        host = torch.cat([self.length[:, None].long(), self.next_token[:, None], self.path], dim=1).tolist()
+        return [row[3:2 + row[0]] + [row[1]] for row in host]
+
+
+@dataclass
+class StepResult:
+    tokens: list[list[int]]  # per sequence: accepted draft tokens, then the next bonus
+    seconds: dict[str, float]  # per stage, for the whole batch
+
+
+class StageTimer:
+    """Seconds per stage of one step. On a GPU (``cuda``) each mark records a CUDA event on the current stream,
+    so timing adds no host synchronisation; the times are read once the step's results are on the host.
+    Otherwise, host wall time. ``end(None)`` closes an interval that belongs to no stage (waiting on a peer)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._marks = [(None, self._now())]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end(self, stage: str | None):
+        self._marks.append((stage, self._now()))
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        if self.cuda:
+            self._marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (_, start), (stage, stop) in zip(self._marks, self._marks[1:]):
+            if stage is not None:
+                out[stage] = out.get(stage, 0.0) + (start.elapsed_time(stop) / 1e3 if self.cuda else stop - start)
+        return out
+
+
+def add_seconds(*parts: dict[str, float]) -> dict[str, float]:
+    """Stage times of the parts of one step (the drafter's and a shard's on Ray), added per stage."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for stage, s in part.items():
+            out[stage] = out.get(stage, 0.0) + s
+    return out

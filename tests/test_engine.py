@@ -1,0 +1,180 @@
+"""The engine, its scheduler and page pool against a fake runner (no model): request state, admission by
+pages and slots, continuous batching under the step-token bound, exact stops inside multi-token steps,
+aborts and runner failures."""
+import pytest
+
+from kdray import SamplingParams
+from kdray.config import SpecConfig
+from kdray.engine.engine import Engine, RunnerFailure
+from kdray.engine.kv_pages import PagePool
+from kdray.engine.layout import EngineLayout
+from kdray.engine.scheduler import Scheduler
+from kdray.engine.step import StepResult
+
+VOCAB = 50
+
+
+def token_at(position: int) -> int:
+    """The fake target's token at ``position`` of every sequence."""
+    return (7 * position + 3) % VOCAB
+
+
+class FakeRunner:
+    """Prefill returns the token after each prompt; each step accepts ``accept`` tokens (drafts and the bonus)."""
+
+    def __init__(self, accept: int = 3, fail_at_step: int | None = None):
+        self.accept, self.fail_at_step = accept, fail_at_step
+        self.prefills, self.steps = [], []
+
+    def prefill(self, batch):
+        self.prefills.append(batch)
+        return [token_at(len(p)) for p in batch.prompts]
+
+    def step(self, batch):
+        self.steps.append(batch)
+        if len(self.steps) == self.fail_at_step:
+            raise RunnerFailure("shard 1 died")
+        return StepResult([[token_at(p + 1 + i) for i in range(self.accept)] for p in batch.prefix_lens],
+                          {"verify": 0.01 * len(batch.slots), "draft": 0.002})
+
+
+class AngleTokenizer:
+    """Token t is the text ``<t>``."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids):
+        return "".join(f"<{t}>" for t in ids)
+
+
+def make_engine(runner, num_pages=64, page_size=4, max_num_seqs=4, max_model_len=64, nodes=3,
+                max_tokens_per_step=8192, tokenizer=None, eos=()) -> Engine:
+    spec = SpecConfig("ddtree", budget=nodes, block_size=4)
+    layout = EngineLayout(spec=spec, max_model_len=max_model_len, num_pages=num_pages, page_size=page_size,
+                          num_slots=max_num_seqs, max_pages_per_seq=-(-(max_model_len + spec.cache_slack) // page_size),
+                          target_layer_ids=(), cuda_graphs=False)
+    scheduler = Scheduler(PagePool(num_pages, page_size), layout, max_tokens_per_step)
+    return Engine(runner, scheduler, tokenizer, max_model_len, VOCAB, eos, "fake")
+
+
+def run(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def expected(prompt, n):
+    return [token_at(len(prompt) + j) for j in range(n)]
+
+
+@pytest.mark.parametrize("accept", [1, 3, 5])
+def test_output_is_the_targets_sequence_whatever_each_step_accepts(accept):
+    engine = make_engine(FakeRunner(accept))
+    prompts = [[1, 2, 3], [4] * 9, [5, 6]]
+    outs = run(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 12, 1)])
+    assert [o.outputs[0].token_ids for o in outs] == [expected(p, n) for p, n in zip(prompts, (7, 12, 1))]
+    assert outs[1].metrics["steps"] == -(-11 // accept) and outs[2].metrics["steps"] == 0
+    assert engine.free_pages() == 64 and not engine.scheduler.running
+
+
+def test_eos_inside_a_multi_token_step_stops_exactly_there():
+    prompt = [1, 2, 3]
+    seq = expected(prompt, 20)
+    eos = seq[5]  # emitted in the middle of the second step's tokens
+    outs = run(make_engine(FakeRunner(accept=4), eos=(eos,)), [prompt], [SamplingParams(max_tokens=20)])
+    assert outs[0].outputs[0].token_ids == seq[:seq.index(eos) + 1]
+    assert outs[0].outputs[0].finish_reason == "stop"
+
+
+def test_max_tokens_and_the_context_limit_cut_mid_step():
+    prompt = [9] * 10
+    outs = run(make_engine(FakeRunner(accept=4)), [prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == expected(prompt, 6) and outs[0].outputs[0].finish_reason == "length"
+    outs = run(make_engine(FakeRunner(accept=4), max_model_len=16), [prompt],
+               [SamplingParams(max_tokens=40, ignore_eos=True)])
+    assert len(outs[0].outputs[0].token_ids) == 6 and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_stop_string_across_a_step_is_cut_and_its_tokens_kept_up_to_it():
+    prompt = [1]
+    seq = expected(prompt, 12)
+    stop = f"<{seq[3]}><{seq[4]}>"  # spans the first and second step (accept 3: tokens 1-3, 4-6)
+    outs = run(make_engine(FakeRunner(accept=3), tokenizer=AngleTokenizer()), [prompt],
+               [SamplingParams(max_tokens=12, stop=stop, ignore_eos=True)])
+    c = outs[0].outputs[0]
+    assert c.finish_reason == "stop" and c.token_ids == seq[:5]
+    assert c.text == "".join(f"<{t}>" for t in seq[:3])
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="stop: model 'fake' has no tokenizer"):
+        make_engine(FakeRunner()).add_request("a", [1, 2], SamplingParams(stop="."))
+
+
+@pytest.mark.parametrize("prompt,message", [([], "prompt is empty"), ([1, VOCAB], r"must lie in \[0, 50\)"),
+                                            ([1] * 64, "context limit is 64")])
+def test_bad_prompts_are_refused_naming_the_problem(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine(FakeRunner()).add_request("a", prompt, SamplingParams())
+
+
+def test_admission_waits_for_pages_and_slots_and_reuses_them():
+    runner = FakeRunner(accept=2)
+    # Each request needs ceil((4 + 8 + slack 4) / 4) = 4 pages: 8 pages hold two at once; two slots as well.
+    engine = make_engine(runner, num_pages=8, max_num_seqs=3)
+    outs = run(engine, [[1, 2, 3, 4]] * 5, [SamplingParams(max_tokens=8, ignore_eos=True)] * 5)
+    assert all(o.outputs[0].token_ids == expected([1, 2, 3, 4], 8) for o in outs)
+    assert max(len(b.slots) for b in runner.steps) == 2  # never more running than the pages allow
+    assert {s for b in runner.prefills for s in b.slots} == {0, 1}  # freed slots are handed out again
+    engine = make_engine(FakeRunner(accept=2), max_num_seqs=2)
+    run(engine, [[1, 2]] * 4, [SamplingParams(max_tokens=3, ignore_eos=True)] * 4)
+    assert max(len(b.slots) for b in engine.runner.steps) == 2
+    assert sorted(engine.scheduler._free_slots) == [0, 1]  # every slot back once all finished
+
+
+def test_step_token_bound_rotates_through_the_running_sequences():
+    runner = FakeRunner(accept=1)
+    engine = make_engine(runner, max_num_seqs=6, nodes=3, max_tokens_per_step=8)  # 8 // (1 + 3) = 2 per step
+    prompts = [[i + 1] for i in range(5)]
+    outs = run(engine, prompts, [SamplingParams(max_tokens=4, ignore_eos=True)] * 5)
+    assert [o.outputs[0].token_ids for o in outs] == [expected(p, 4) for p in prompts]
+    assert max(len(b.slots) for b in runner.steps) == 2
+
+
+def test_abort_frees_pages_and_slot_and_unknown_ids_are_ignored():
+    engine = make_engine(FakeRunner(), num_pages=64, max_num_seqs=1)
+    engine.add_request("run", [1, 2], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("wait", [3], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.free_pages() < 64 and engine.num_waiting() == 1
+    engine.abort_request("run")
+    engine.abort_request("wait")
+    engine.abort_request("never-seen")
+    assert engine.free_pages() == 64 and not engine.has_unfinished_requests()
+
+
+def test_a_runner_failure_fails_the_running_requests_and_the_waiting_ones_run_next():
+    engine = make_engine(FakeRunner(accept=2, fail_at_step=1), max_num_seqs=1)
+    engine.add_request("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("b", [3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # prefill of a
+    with pytest.raises(RunnerFailure, match=r"shard 1 died\n-> request\(s\) \['a'\] failed") as failure:
+        engine.step()
+    assert failure.value.request_ids == ("a",) and engine.free_pages() == 64
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(outs) == ["b"] and outs["b"].outputs[0].token_ids == expected([3, 4], 5)
+
+
+def test_stage_seconds_are_shared_over_the_batch():
+    engine = make_engine(FakeRunner(accept=10))
+    outs = run(engine, [[1], [2]], [SamplingParams(max_tokens=11, ignore_eos=True)] * 2)
+    for o in outs:
+        assert o.metrics["steps"] == 1 and o.metrics["seconds"]["verify"] == pytest.approx(0.01)
+        assert o.metrics["tau"] == 10
