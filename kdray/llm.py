@@ -74,6 +74,7 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+            self.engine.drain()  # the step launched past the last finish: its pages come back
         except BaseException:
             for rid in ids:
                 if rid not in done:

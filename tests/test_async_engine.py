@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -47,6 +48,9 @@ def test_worker_failure_fails_its_requests_and_the_engine_keeps_serving():
         last = asyncio.run(scenario())
         assert last.finished and len(last.outputs[0].token_ids) == 4
         runner.check()  # the engine thread is still alive
+        deadline = time.monotonic() + 30  # the thread applies the step in flight past b's end, then frees b's pages
+        while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert llm.engine.free_pages() == llm.engine.scheduler.pool.num_pages
     finally:
         runner.shutdown()

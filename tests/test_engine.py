@@ -9,7 +9,7 @@ from kdray.engine.engine import Engine, RunnerFailure
 from kdray.engine.kv_pages import PagePool
 from kdray.engine.layout import EngineLayout
 from kdray.engine.scheduler import Scheduler
-from kdray.engine.step import StepResult
+from kdray.engine.step import Pending, StepResult
 
 VOCAB = 50
 
@@ -20,22 +20,29 @@ def token_at(position: int) -> int:
 
 
 class FakeRunner:
-    """Prefill returns the token after each prompt; each step accepts ``accept`` tokens (drafts and the bonus)."""
+    """Keeps each slot's cached length as the device would: prefill returns the token after each prompt; each
+    step accepts ``accept`` tokens (drafts and the bonus) per slot and advances it, ahead of the host."""
 
     def __init__(self, accept: int = 3, fail_at_step: int | None = None):
         self.accept, self.fail_at_step = accept, fail_at_step
         self.prefills, self.steps = [], []
+        self.cached: dict[int, int] = {}  # slot -> cached length, as the device keeps it
 
     def prefill(self, batch):
         self.prefills.append(batch)
-        return [token_at(len(p)) for p in batch.prompts]
+        for slot, prompt in zip(batch.slots, batch.prompts):
+            self.cached[slot] = len(prompt)
+        return Pending.ready([token_at(len(p)) for p in batch.prompts])
 
     def step(self, batch):
         self.steps.append(batch)
         if len(self.steps) == self.fail_at_step:
             raise RunnerFailure("shard 1 died")
-        return StepResult([[token_at(p + 1 + i) for i in range(self.accept)] for p in batch.prefix_lens],
-                          {"verify": 0.01 * len(batch.slots), "draft": 0.002})
+        tokens = []
+        for slot in batch.slots:
+            tokens.append([token_at(self.cached[slot] + 1 + i) for i in range(self.accept)])
+            self.cached[slot] += self.accept
+        return Pending.ready(StepResult(tokens, {"verify": 0.01 * len(batch.slots), "draft": 0.002}))
 
 
 class AngleTokenizer:
@@ -63,6 +70,7 @@ def run(engine, prompts, params):
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
+            assert out.request_id not in done, "an output after the request finished"
             if out.finished:
                 done[out.request_id] = out
     return [done[f"r{i}"] for i in range(len(prompts))]
@@ -146,23 +154,26 @@ def test_step_token_bound_rotates_through_the_running_sequences():
     assert max(len(b.slots) for b in runner.steps) == 2
 
 
-def test_abort_frees_pages_and_slot_and_unknown_ids_are_ignored():
+def test_abort_frees_pages_and_slot_once_nothing_in_flight_writes_them():
     engine = make_engine(FakeRunner(), num_pages=64, max_num_seqs=1)
     engine.add_request("run", [1, 2], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request("wait", [3], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()
-    assert engine.free_pages() < 64 and engine.num_waiting() == 1
+    held = engine.free_pages()
+    assert held < 64 and engine.num_waiting() == 1
     engine.abort_request("run")
     engine.abort_request("wait")
     engine.abort_request("never-seen")
+    assert engine.free_pages() == held and engine.has_unfinished_requests()  # a step of "run" is in flight
+    assert engine.drain() == []  # its tokens are discarded, not reported
     assert engine.free_pages() == 64 and not engine.has_unfinished_requests()
 
 
 def test_a_runner_failure_fails_the_running_requests_and_the_waiting_ones_run_next():
-    engine = make_engine(FakeRunner(accept=2, fail_at_step=1), max_num_seqs=1)
-    engine.add_request("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine = make_engine(FakeRunner(accept=2, fail_at_step=2), max_num_seqs=1)
+    engine.add_request("a", [1, 2], SamplingParams(max_tokens=9, ignore_eos=True))
     engine.add_request("b", [3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
-    engine.step()  # prefill of a
+    engine.step()  # prefill of a and its first step
     with pytest.raises(RunnerFailure, match=r"shard 1 died\n-> request\(s\) \['a'\] failed") as failure:
         engine.step()
     assert failure.value.request_ids == ("a",) and engine.free_pages() == 64
@@ -178,3 +189,27 @@ def test_stage_seconds_are_shared_over_the_batch():
     for o in outs:
         assert o.metrics["steps"] == 1 and o.metrics["seconds"]["verify"] == pytest.approx(0.01)
         assert o.metrics["tau"] == 10
+
+
+class CountingTokenizer(AngleTokenizer):
+    """Counts the token ids it is asked to decode."""
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_host_work_per_token_does_not_grow_with_the_output_length():
+    """Text grows by incremental detokenization and stop strings are looked for in the new text only, so the
+    decoding work per token is the same for a long output as for a short one (not quadratic)."""
+    per_token = []
+    for n in (100, 1000):
+        tok = CountingTokenizer()
+        engine = make_engine(FakeRunner(accept=3), num_pages=1100, max_model_len=2048, tokenizer=tok)
+        outs = run(engine, [[1]], [SamplingParams(max_tokens=n, stop=["no such text"], ignore_eos=True)])
+        assert outs[0].outputs[0].text == AngleTokenizer().decode(expected([1], n))
+        per_token.append(tok.decoded / n)
+    assert per_token[1] <= 1.1 * per_token[0] and per_token[1] < 20

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
 
 from kdray import LLM, SamplingParams
 from kdray.config import K2Config
-from kdray.engine.cuda_graphs import GraphedPass
+from kdray.engine.cuda_graphs import GraphedFn
+from kdray.engine.step import STAGES
 from kdray.kernels.tree_build import tree_build
 from kdray.model.batch import ForwardBatch
 from kdray.model.k2 import K2Model
@@ -36,8 +38,10 @@ def test_bf16_ddtree_with_cuda_graphs_equals_ar():
     ar = LLM(model="k2-tiny", device="cuda", dtype="bfloat16", spec="ar", cuda_graphs=True)
     dd = LLM(model="k2-tiny", device="cuda", dtype="bfloat16", drafter="random", spec="ddtree", budget=64,
              block_size=16, cuda_graphs=True)
-    assert tokens(dd.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == tokens(
-        ar.generate(prompt_token_ids=PROMPTS, sampling_params=params))
+    outs = dd.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert tokens(outs) == tokens(ar.generate(prompt_token_ids=PROMPTS, sampling_params=params))
+    # the whole step replays from one graph per batch bucket, its stages timed by the graph's event nodes
+    assert all(outs[0].metrics["seconds"][stage] > 0 for stage in STAGES)
 
 
 def test_no_automatic_garbage_collection_inside_a_capture():
@@ -51,21 +55,41 @@ def test_no_automatic_garbage_collection_inside_a_capture():
     doomed = [old]
     del old
 
-    def fn(batch):
+    def fn(timer, ids):
         if torch.cuda.is_current_stream_capturing() and doomed:
             cycle = [doomed.pop()]
             cycle.append(cycle)
             del cycle
             junk = [[] for _ in range(20 * gc.get_threshold()[0])]  # live containers: the GC would run now
             del junk
-        return (batch.input_ids * 3,)
+        return (ids * 3,)
 
     ids = torch.arange(5, device="cuda")
-    batch = ForwardBatch.build(ids, ids.clone(), [5], [0], torch.zeros(1, 1, dtype=torch.int32, device="cuda"), 16,
-                               None)
-    (out,) = GraphedPass(fn)(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture would fall back to eager with a warning
+        (out,), _ = GraphedFn(fn, lambda: lambda: None)((ids,))
     torch.cuda.synchronize()
     assert torch.equal(out, ids * 3) and not doomed
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_with_one_warning(monkeypatch):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ar = LLM(model="k2-tiny", device="cuda", dtype="float32", spec="ar", cuda_graphs=False)
+    expected = tokens(ar.generate(prompt_token_ids=PROMPTS, sampling_params=params))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused by the test")
+
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    dd = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
+             block_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = tokens(dd.generate(prompt_token_ids=PROMPTS, sampling_params=params))
+    assert got == expected
+    messages = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+    assert messages and all("capture refused by the test" in m for m in messages)
+    assert len(messages) == len(set(messages))  # one warning per shape, not one per step
 
 
 def test_bf16_lm_head_keeps_fp32_logits():
@@ -131,18 +155,22 @@ def test_verify_pass_replayed_from_cuda_graph_equals_eager(shape):
     positions = (torch.tensor(prefix, device="cuda")[:, None] + tree.depths).long()[valid]
     batch = ForwardBatch.build(tree.tokens[valid], positions, q_lens, prefix, table, page, tree.mask)
 
-    def verify(b):
+    def verify(timer, input_ids, positions):
+        b = ForwardBatch(input_ids, positions, batch.cu_q, batch.q_lens, batch.prefix_lens, batch.block_table,
+                         batch.slot_mapping, batch.tree_mask)
         hidden, _ = model(b, kv)
         return (model.logits(hidden),)
 
     with torch.no_grad():
         kv0 = kv.clone()
-        eager = verify(batch)[0].clone()
+        eager = verify(None, batch.input_ids, batch.positions)[0].clone()
         kv.copy_(kv0)
-        graphed = GraphedPass(verify)
-        first = graphed(batch)[0].clone()
+        graphed = GraphedFn(verify, lambda: lambda: kv.copy_(kv0))
+        (first,), _ = graphed((batch.input_ids, batch.positions))
+        first = first.clone()
         kv.copy_(kv0)
-        again = graphed(batch)[0].clone()
+        (again,), _ = graphed((batch.input_ids, batch.positions))
+        again = again.clone()
     assert torch.isfinite(eager).all()
     for out in (first, again):  # the MoE kernel sums experts with atomics: equal up to summation order
         assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-3

@@ -163,8 +163,18 @@ def _wait_for(fn, timeout=30.0):
         time.sleep(0.1)
 
 
+def _idle_free_pages(base: str) -> float:
+    """Free KV pages once the engine is idle: the step in flight past the last request's end has been applied."""
+    _wait_for(lambda: metric(base, "kdray_requests_running") == 0)
+    before = None
+    while (now := metric(base, "kdray_kv_free_pages")) != before:
+        before = now
+        time.sleep(0.2)
+    return now
+
+
 def test_cancelled_requests_free_their_pages(server):
-    start = metric(server, "kdray_kv_free_pages")
+    start = _idle_free_pages(server)
     long = {"model": "k2-tiny", "prompt": [7, 8, 9], "max_tokens": 1500, "ignore_eos": True}
     with requests.post(f"{server}/v1/completions", json={**long, "stream": True}, stream=True, timeout=60) as r:
         events = (line for line in r.iter_lines() if line.startswith(b"data: "))

@@ -15,6 +15,7 @@ import socket
 import struct
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgpack
@@ -46,6 +47,10 @@ class _Conn:
 
     def send(self, payload: bytes):
         self.sock.sendall(HEADER.pack(len(payload)) + payload)
+
+    def has_frame(self) -> bool:
+        """Whether a whole frame is already buffered (read along with an earlier one)."""
+        return len(self._buf) >= HEADER.size and len(self._buf) >= HEADER.size + HEADER.unpack_from(self._buf)[0]
 
     def recv(self):
         """The next frame, decoded; ``ConnectionError`` once the peer has closed the connection."""
@@ -82,6 +87,7 @@ class PlanServer:
             self._listener = socket.create_server((host, 0))
             self.address = (host, self._listener.getsockname()[1])
         self._peers: dict[str, _Conn] = {}
+        self._inbox: dict[str, deque] = {}  # replies read but not yet asked for, per worker
         self._selector = selectors.DefaultSelector()
 
     def accept(self, names: list[str], timeout_s: float, check: Callable[[], None]):
@@ -113,30 +119,26 @@ class PlanServer:
                 raise WorkerFailure(f"{name} died: its channel is closed") from None
 
     def wait(self, names: tuple[str, ...], timeout_s: float, check: Callable[[], None]) -> list[dict]:
-        """One reply from each worker in ``names`` (in any order), returned in the order of ``names``. Any
-        worker's death or error raises :class:`WorkerFailure`; ``check`` runs whenever ``POLL_S`` passes
-        without news."""
+        """The next reply of each worker in ``names``, in the order of ``names``. Replies that arrive meanwhile from
+        others (or a worker's next reply) wait in its inbox. Any worker's death or error raises
+        :class:`WorkerFailure`; ``check`` runs whenever ``POLL_S`` passes without news."""
         deadline = time.monotonic() + timeout_s
-        replies: dict[str, dict] = {}
-        while len(replies) < len(names):
+        while missing := [n for n in names if not self._inbox.get(n)]:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerFailure(f"no reply from {', '.join(n for n in names if n not in replies)} within "
-                                    f"{timeout_s:.0f} s; a collective is probably stuck (raise step_timeout_s if "
-                                    "steps are legitimately this slow)")
-            events = self._selector.select(min(left, POLL_S))
-            if not events:
+                raise WorkerFailure(f"no reply from {', '.join(missing)} within {timeout_s:.0f} s; a collective is "
+                                    "probably stuck (raise step_timeout_s if steps are legitimately this slow)")
+            # a frame may already be buffered (read along with an earlier one); else wait for a socket
+            ready = [(p, c) for p, c in self._peers.items() if c.has_frame()] or [
+                key.data for key, _ in self._selector.select(min(left, POLL_S))]
+            if not ready:
                 check()
-                continue
-            for key, _ in events:
-                peer, conn = key.data
+            for peer, conn in ready:
                 reply, problem = self._read(conn)
                 if problem is not None:
                     raise WorkerFailure(self._collect({peer: problem}))
-                if peer not in names or peer in replies:
-                    raise WorkerFailure(f"{peer} sent an unexpected message: {reply!r}")
-                replies[peer] = reply
-        return [replies[n] for n in names]
+                self._inbox.setdefault(peer, deque()).append(reply)
+        return [self._inbox[n].popleft() for n in names]
 
     def _read(self, conn: _Conn) -> tuple[dict | None, str | None]:
         """One frame: (the message, None), or (None, what went wrong)."""

@@ -1,17 +1,18 @@
 """``DrafterWorker``: the DFlash drafter's actor, with the target's embedding and LM head (loaded alone).
 
 Each step it drafts and builds the trees (``tree_build``) and broadcasts them, packed in one buffer, to
-every shard; then it receives the accepted paths' context features from shard 0 and writes them into its
-cache. At prefill it receives the prompts' features.
+every shard; then it receives shard 0's results and the accepted paths' context features, writes those into
+its cache and advances its slots as the shards advanced theirs. At prefill it receives the prompts' features
+and first tokens.
 """
 from __future__ import annotations
 
 import torch
 
-from kdray.actors.worker import LoadReport, Worker, pack_tree
+from kdray.actors.worker import LoadReport, Worker
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner
-from kdray.engine.step import PrefillBatch, StepBatch
+from kdray.engine.step import PrefillBatch, StepBatch, add_seconds
 from kdray.model.loader import load_drafter, load_target, parse_dtype
 
 
@@ -33,23 +34,23 @@ class DrafterWorker(Worker):
         self.runner = ModelRunner(self.head, self.drafter, layout, self.device, target_kv=False)
         self.width = len(self.drafter.cfg.target_layer_ids) * self.head.config.hidden_size  # features per token
 
-    def _receive(self, rows: int) -> torch.Tensor:
-        """The next ``[rows, F]`` context features from shard 0."""
-        features = torch.empty(rows, self.width, dtype=self.head.model.dtype, device=self.device)  # [rows, F]
-        return self.link.recv(features, 0)
+    def _receive(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next tensor of ``shape`` from shard 0."""
+        return self.link.recv(torch.empty(shape, dtype=dtype, device=self.device), 0)
 
     def prefill(self, batch: PrefillBatch) -> None:
-        positions, rows = self.runner.prompt_rows(batch)
-        self.runner.add_context(self._receive(positions.shape[0]), positions, rows)
+        features = self._receive(sum(map(len, batch.prompts)), self.width, dtype=self.head.model.dtype)  # [T, F]
+        first = self._receive(len(batch.slots), dtype=torch.int64)  # [B]
+        self.runner.absorb_prompts(batch, features, first)
 
     def step(self, batch: StepBatch) -> dict:
         r = self.runner
-        timer = r.timer()
-        inputs = r.inputs(batch)
-        self.link.broadcast(pack_tree(r.propose(inputs, timer)), self.link.rank)
-        positions, rows = r.path_rows(inputs)
-        features = self._receive(positions.shape[0])
-        timer.end(None)  # the shards' verify, accept and commit
-        r.add_context(features, positions, rows)
-        timer.end("commit")
-        return {"seconds": timer.seconds}
+        tree, timer = r.propose_step(batch)
+        self.link.broadcast(tree, self.link.rank)
+        rows, path = r.padded(len(batch.slots)), r.spec.depth + 1
+        packed = self._receive(rows, 2 + path, dtype=torch.int64)  # [Bp, 2 + (1+L)]
+        features = self._receive(rows, path, self.width, dtype=self.head.model.dtype)  # [Bp, 1+L, F]
+        commit = r.timer()  # starts after the receives on the stream: the shards' work is not counted
+        r.absorb_step(batch, packed, features)
+        commit.end("commit")
+        return {"seconds": add_seconds(timer.seconds, commit.seconds)}

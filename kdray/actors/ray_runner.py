@@ -9,6 +9,7 @@ drafter's replies come back; tensors move between the actors over their groups (
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import ray
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from kdray.actors.shard import ShardWorker
 from kdray.actors.worker import LoadReport, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
-from kdray.engine.step import PrefillBatch, StepBatch, StepResult, add_seconds
+from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds
 from kdray.model.loader import resolve_model
 from kdray.model.presets import PRESETS
 
@@ -166,11 +167,13 @@ class EngineActors:
                     raise WorkerFailure(f"{name} is gone: {e}") from None
                 raise WorkerFailure(f"{name} left its step loop")
 
-    def call(self, plan: dict, replies: tuple[str, ...] = ("shard 0",)) -> list[dict]:
-        """Send one plan to every loop and return the replies of ``replies``, in that order."""
-        server = self._held.server
-        server.broadcast(pack(plan))
-        return server.wait(replies, self.args.step_timeout_s, self.check)
+    def send(self, plan: dict):
+        """Send one plan to every loop."""
+        self._held.server.broadcast(pack(plan))
+
+    def wait(self, replies: tuple[str, ...]) -> list[dict]:
+        """The next reply of each actor in ``replies``, in that order."""
+        return self._held.server.wait(replies, self.args.step_timeout_s, self.check)
 
     def release(self):
         """Kill every actor and remove the placement group (their GPUs are free again)."""
@@ -220,7 +223,10 @@ class RayRunner:
         self.actors: EngineActors | None = actors
         self._closed = False
 
-    def _call(self, plan: dict, replies: tuple[str, ...]) -> list[dict]:
+    def _send(self, plan: dict, replies: tuple[str, ...]) -> Callable[[], list[dict]]:
+        """Send ``plan`` to every actor loop (launching new actors after a failure); returns the function that waits
+        for the replies of ``replies``. A failure, on sending or waiting, releases the actors and raises
+        :class:`WorkerFailure`."""
         if self._closed:
             raise RuntimeError("this engine was shut down; create a new LLM")
         if self.actors is None:
@@ -232,27 +238,38 @@ class RayRunner:
                 actors.release()
                 raise
             self.actors = actors
-        try:
-            return self.actors.call(plan, replies)
-        except WorkerFailure as e:
-            self.actors.release()
-            self.actors = None
-            raise WorkerFailure(f"{e}\nthe engine starts new actors at its next step") from None
+        actors = self.actors
 
-    def prefill(self, batch: PrefillBatch) -> list[int]:
-        return self._call(prefill_plan(batch), ("shard 0",))[0]["tokens"]
+        def guarded(fn):
+            try:
+                return fn()
+            except WorkerFailure as e:
+                actors.release()
+                if self.actors is actors:
+                    self.actors = None
+                raise WorkerFailure(f"{e}\nthe engine starts new actors at its next step") from None
 
-    def step(self, batch: StepBatch) -> StepResult:
-        plan = {"op": "step", "slots": batch.slots, "roots": batch.roots, "prefix_lens": batch.prefix_lens}
+        guarded(lambda: actors.send(plan))
+        return lambda: guarded(lambda: actors.wait(replies))
+
+    def prefill(self, batch: PrefillBatch) -> Pending[list[int]]:
+        wait = self._send(prefill_plan(batch), ("shard 0",))
+        return Pending(lambda: wait()[0]["tokens"])
+
+    def step(self, batch: StepBatch) -> Pending[StepResult]:
+        """One plan to every actor; the replies are read when the engine asks (after it launched the next step)."""
         drafter = ("drafter",) if self.args.drafter is not None else ()
-        shard, *draft = self._call(plan, ("shard 0", *drafter))
-        return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)))
+        wait = self._send({"op": "step", "slots": batch.slots}, ("shard 0", *drafter))
+
+        def result() -> StepResult:
+            shard, *draft = wait()
+            return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)))
+
+        return Pending(result)
 
     def noop(self, batch: StepBatch, tau: int) -> list[list[int]]:
-        """A step-shaped plan with no model work (the control-path benchmark)."""
-        plan = {"op": "noop", "slots": batch.slots, "roots": batch.roots, "prefix_lens": batch.prefix_lens,
-                "tau": tau}
-        return self._call(plan, ("shard 0",))[0]["tokens"]
+        """A step-shaped plan with no model work (the control-path benchmark): its round trip."""
+        return self._send({"op": "noop", "slots": batch.slots, "tau": tau}, ("shard 0",))()[0]["tokens"]
 
     def shutdown(self):
         """Release every actor, the placement group and their GPUs; the engine cannot step afterwards."""

@@ -1,14 +1,15 @@
 """``ShardWorker``: one tensor-parallel rank of the target (its weight shard, its KV pages, the kernels, its
 groups). Every shard verifies, accepts and commits identically; shard 0 also reports the tokens to the
-engine and hands the prompts' and accepted paths' context features to the drafter."""
+engine and hands the prompts' and accepted paths' results to the drafter."""
 from __future__ import annotations
 
 import torch
 
-from kdray.actors.worker import LoadReport, Worker, tree_width, unpack_tree
+from kdray.actors.worker import LoadReport, Worker
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner
-from kdray.engine.step import PrefillBatch, StepBatch
+from kdray.engine.step import PrefillBatch, StepBatch, add_seconds, unpack_tokens
+from kdray.kernels.tree_build import packed_width
 from kdray.model.loader import load_target, parse_dtype
 
 
@@ -18,6 +19,10 @@ class ShardWorker(Worker):
     @property
     def reports_tokens(self) -> bool:
         return self.rank == 0
+
+    @property
+    def drafter_rank(self) -> int:
+        return self.tp.size  # the drafter's rank in the link group, after the shards
 
     def load(self) -> LoadReport:
         """Load this rank's slice of the checkpoint; shard 0 also reports the config and tokenizer."""
@@ -31,30 +36,30 @@ class ShardWorker(Worker):
     def setup(self, layout: EngineLayout) -> None:
         self.runner = ModelRunner(self.target, None, layout, self.device)
 
+    def _to_drafter(self, *tensors: torch.Tensor):
+        if self.rank == 0 and self.link is not None:
+            for t in tensors:
+                self.link.send(t, self.drafter_rank)
+
     def prefill(self, batch: PrefillBatch) -> dict | None:
         done = self.runner.run_prompts(batch)
-        if self.rank == 0 and self.link is not None:
-            self.link.send(done.features, self.drafter_rank)
+        self._to_drafter(done.features, done.first)
         return {"tokens": done.first.tolist()} if self.reports_tokens else None
 
-    @property
-    def drafter_rank(self) -> int:
-        return self.tp.size  # the drafter's rank in the link group, after the shards
-
     def step(self, batch: StepBatch) -> dict | None:
-        """Take the drafter's trees (the root alone for AR), verify, accept, commit; shard 0 sends the accepted
-        paths' context features back to the drafter."""
-        r = self.runner
-        timer = r.timer()
-        inputs = r.inputs(batch)
-        if self.link is None:  # AR: the root alone
-            tree = r.propose(inputs, timer)
+        """Take the drafter's trees (the root alone for AR), verify, accept, commit; shard 0 sends the results and
+        the accepted paths' context features back to the drafter."""
+        r, seconds = self.runner, {}
+        if self.link is None:  # AR: the root alone, built here
+            tree, timer = r.propose_step(batch)
+            seconds = timer.seconds
         else:
-            buf = torch.empty(len(batch.slots), tree_width(r.spec.nodes), dtype=torch.int32, device=self.device)
-            tree = unpack_tree(self.link.broadcast(buf, self.drafter_rank), r.spec.nodes)
-            timer.end(None)  # waiting for the drafter's draft and build, which it times itself
-        committed = r.settle(tree, inputs, timer)
-        if self.rank == 0 and self.link is not None:
-            self.link.send(committed.features, self.drafter_rank)
-        timer.end("commit")
-        return {"tokens": committed.tokens(), "seconds": timer.seconds} if self.reports_tokens else None
+            tree = torch.empty(r.padded(len(batch.slots)), packed_width(r.spec.nodes), dtype=torch.int32,
+                               device=self.device)  # [Bp, packed]
+            self.link.broadcast(tree, self.drafter_rank)
+        packed, features, timer = r.settle_step(batch, tree)
+        self._to_drafter(packed, features)
+        if not self.reports_tokens:
+            return None
+        return {"tokens": unpack_tokens(packed[:len(batch.slots)].tolist()),
+                "seconds": add_seconds(seconds, timer.seconds)}

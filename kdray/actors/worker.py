@@ -5,9 +5,9 @@ A step plan (msgpack) is ``{"op", ...}``:
 
 - ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts``, ``pages``,
   ``sampling`` = ``[[temperature, top_k, top_p], ...]``, ``seeds``);
-- ``step``: the fields of a :class:`~kdray.engine.step.StepBatch` (``slots``, ``roots``, ``prefix_lens``);
+- ``step``: the slots of a :class:`~kdray.engine.step.StepBatch` (each actor keeps every slot's state);
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
-  ``tau`` copies of each root.
+  ``tau`` tokens per slot.
 
 Shard 0 answers ``prefill`` with ``{"tokens"}``, ``step`` with ``{"tokens", "seconds"}``; the drafter answers
 ``step`` with ``{"seconds"}`` (its stages); other actors answer nothing unless they fail
@@ -28,7 +28,6 @@ from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout
 from kdray.engine.request import SamplingParams
 from kdray.engine.step import PrefillBatch, StepBatch
-from kdray.kernels.tree_build import DraftTree, mask_words
 from kdray.model.parallel import SINGLE
 from kdray.model.tokenizer import Tokenizer
 
@@ -43,25 +42,6 @@ class LoadReport:
     tokenizer: Tokenizer | None = None
     name: str = ""
     draft_config: DFlashConfig | None = None
-
-
-def tree_width(nodes: int) -> int:
-    """int32 values per sequence in a packed tree of ``nodes`` draft nodes."""
-    return (1 + nodes) * (3 + mask_words(nodes)) + 1
-
-
-def pack_tree(tree: DraftTree) -> torch.Tensor:
-    """All fields of a tree in one int32 buffer ``[B, tree_width(N)]``, so it crosses the link in one broadcast."""
-    return torch.cat([tree.tokens.int(), tree.parents, tree.depths, tree.num_nodes[:, None], tree.mask.flatten(1)],
-                     dim=1)
-
-
-def unpack_tree(buf: torch.Tensor, nodes: int) -> DraftTree:
-    """Inverse of :func:`pack_tree`."""
-    n1, words = 1 + nodes, mask_words(nodes)
-    tokens, parents, depths, num_nodes, mask = buf.split([n1, n1, n1, 1, n1 * words], dim=1)
-    return DraftTree(tokens=tokens.long(), parents=parents.contiguous(), depths=depths.contiguous(),
-                     num_nodes=num_nodes.squeeze(1).contiguous(), mask=mask.reshape(-1, n1, words).contiguous())
 
 
 def prefill_batch(plan: dict) -> PrefillBatch:
@@ -150,8 +130,8 @@ class Worker(ABC):
         if op == "prefill":
             return self.prefill(prefill_batch(plan))
         if op == "step":
-            return self.step(StepBatch(plan["slots"], plan["roots"], plan["prefix_lens"]))
+            return self.step(StepBatch(plan["slots"]))
         if op == "noop":
-            return {"tokens": [[r] * plan["tau"] for r in plan["roots"]], "seconds": {}} if self.reports_tokens \
+            return {"tokens": [[7] * plan["tau"] for _ in plan["slots"]], "seconds": {}} if self.reports_tokens \
                 else None
         raise ValueError(f"unknown step-plan op '{op}'")

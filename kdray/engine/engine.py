@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 
 from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.sequence import Sequence
-from kdray.engine.step import PrefillBatch, StepBatch
+from kdray.engine.step import Pending, PrefillBatch, StepBatch
+from kdray.model.tokenizer import IncrementalDetokenizer
 
 
 class RunnerFailure(RuntimeError):
@@ -22,6 +24,15 @@ class RunnerFailure(RuntimeError):
     def __init__(self, message: str, request_ids: tuple[str, ...] = ()):
         super().__init__(message)
         self.request_ids = tuple(request_ids)
+
+
+@dataclass
+class _Launch:
+    """Work launched on the device: a prefill of ``seqs`` or one step of them, its result pending."""
+
+    seqs: list[Sequence]
+    pending: Pending
+    prefill: bool
 
 
 class Engine:
@@ -35,6 +46,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._seed_source = random.Random()
+        self._inflight: list[_Launch] = []  # launched on the device, results not yet applied
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; bad input raises ``ValueError`` naming the problem."""
@@ -51,7 +63,8 @@ class Engine:
             raise ValueError(f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                              "leave them out")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed,
+                       detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
         need, have = self.scheduler.pages_needed(seq), self.scheduler.pool.num_pages
         if need > have:
             raise ValueError(f"prompt plus max_tokens={params.max_tokens} needs {need} KV pages; the pool has {have}: "
@@ -60,14 +73,19 @@ class Engine:
         self.scheduler.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its pages (no-op for unknown or finished ids)."""
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            seq.finish_reason = seq.finish_reason or "abort"
-            self._seqs.pop(request_id, None)
+        """Drop a request and free its pages, at once or (while a step in flight still writes them) when that
+        step is collected; no-op for unknown or finished ids."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        seq.finish_reason = seq.finish_reason or "abort"
+        if seq.inflight == 0:
+            self.scheduler.abort(request_id)
+            del self._seqs[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Requests waiting or running, or a step still on the device whose pages are not back yet."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -76,39 +94,67 @@ class Engine:
         return self.scheduler.pool.free_pages()
 
     def step(self) -> list[RequestOutput]:
-        """Prefill what the scheduler admits, step what runs; a :class:`RunnerFailure` fails every running
-        request (their state is gone) and is raised naming them; waiting requests stay queued."""
-        try:
-            touched = self._run()
-        except RunnerFailure as e:
-            failed = tuple(s.request_id for s in self.scheduler.running)
-            for rid in failed:
-                self.abort_request(rid)
-            raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
-        outputs = [self._output(s) for s in touched]
-        for seq in touched:
-            if seq.finished:
-                self.scheduler.retire(seq)
-                self._seqs.pop(seq.request_id, None)
-        return outputs
+        """Launch the next step on the device, then apply the one before it while this one runs: the host is one
+        step behind. Prefill what the scheduler admits, step what runs (the newly admitted among them), report
+        every request that emitted tokens or finished. Tokens a request produced after its end (found one step
+        late) are discarded; its pages come back once no step in flight can write them.
 
-    def _run(self) -> list[Sequence]:
+        A :class:`RunnerFailure` fails every running request (their state is gone) and is raised naming them;
+        waiting requests stay queued."""
+        try:
+            launched = self._launch()
+            previous, self._inflight = self._inflight, launched
+            touched = self._collect(previous)
+        except RunnerFailure as e:
+            failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
+            self._inflight = []
+            for seq in list(self.scheduler.running):
+                seq.inflight = 0
+                self.abort_request(seq.request_id)
+            raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
+        return [self._output(s) for s in touched]
+
+    def drain(self) -> list[RequestOutput]:
+        """Apply the step still in flight without launching another (its pages come back)."""
+        previous, self._inflight = self._inflight, []
+        return [self._output(s) for s in self._collect(previous)]
+
+    def _launch(self) -> list[_Launch]:
+        launches = []
         admitted = self.scheduler.admit()
         if admitted:
-            first = self.runner.prefill(PrefillBatch(
-                slots=[s.slot for s in admitted], prompts=[s.prompt_ids for s in admitted],
-                pages=[s.pages for s in admitted], params=[s.params for s in admitted],
-                seeds=[s.seed for s in admitted]))
-            for seq, token in zip(admitted, first):
-                self._advance(seq, [token])
-        batch = self.scheduler.decode_batch(exclude=admitted)
+            batch = PrefillBatch(slots=[s.slot for s in admitted], prompts=[s.prompt_ids for s in admitted],
+                                 pages=[s.pages for s in admitted], params=[s.params for s in admitted],
+                                 seeds=[s.seed for s in admitted])
+            launches.append(_Launch(admitted, self.runner.prefill(batch), prefill=True))
+        batch = self.scheduler.decode_batch()
         if batch:
-            result = self.runner.step(StepBatch(slots=[s.slot for s in batch], roots=[s.output_ids[-1] for s in batch],
-                                                prefix_lens=[s.cached_len for s in batch]))
-            share = {k: v / len(batch) for k, v in result.seconds.items()}
-            for seq, tokens in zip(batch, result.tokens):
-                self._advance(seq, tokens, share)
-        return admitted + batch
+            launches.append(_Launch(batch, self.runner.step(StepBatch([s.slot for s in batch])), prefill=False))
+        for launch in launches:
+            for seq in launch.seqs:
+                seq.inflight += 1
+        return launches
+
+    def _collect(self, launches: list[_Launch]) -> list[Sequence]:
+        """Apply launched work's results to its requests; retire those that ended and have nothing in flight."""
+        touched = []
+        for launch in launches:
+            result = launch.pending.result()
+            tokens, share = (result, None) if launch.prefill else (result.tokens, {
+                k: v / len(launch.seqs) for k, v in result.seconds.items()})
+            for seq, toks in zip(launch.seqs, tokens):
+                seq.inflight -= 1
+                if not seq.finished:
+                    self._advance(seq, [toks] if launch.prefill else toks, share)
+                    touched.append(seq)
+                if seq.finished and seq.inflight == 0:
+                    self._retire(seq)
+        return list({id(s): s for s in touched}.values())  # a request prefilled and stepped: once
+
+    def _retire(self, seq: Sequence):
+        self.scheduler.retire(seq)
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
 
     def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float] | None = None):
         """Apply a prefill's first token (``stage_seconds`` None) or a step's tokens to ``seq``: the one place
@@ -120,34 +166,40 @@ class Engine:
             seq.steps += 1
             seq.accepted += len(tokens)
             for stage, s in stage_seconds.items():
-                seq.stage_seconds[stage] += s
+                seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
         self._emit(seq, tokens)
 
     def _emit(self, seq: Sequence, tokens: list[int]):
-        """Append tokens one by one, stopping exactly where autoregressive decoding would."""
+        """Append tokens one by one, stopping exactly where autoregressive decoding would. The text grows by
+        incremental detokenization; a stop string is looked for only where new text could complete it."""
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
-        p = seq.params
+        p, detok = seq.params, seq.detokenizer
         for t in tokens:
             seq.output_ids.append(t)
+            if detok is not None:
+                before = len(seq.text)
+                seq.text += detok.add([t])
+                if p.stop and self._cut_at_stop(seq, before):
+                    seq.finish_reason = "stop"
+                    return
             if not p.ignore_eos and t in self.eos_token_ids:
                 seq.finish_reason = "stop"
-            elif p.stop and self._hit_stop(seq):
-                seq.finish_reason = "stop"
-                return
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
             if seq.finished:
                 break
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids)
+        if seq.finished and detok is not None:
+            seq.text += detok.flush()
 
-    def _hit_stop(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids)
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, before: int) -> bool:
+        """Whether a stop string ends in the text added after ``before`` characters; if so, cut the text there."""
+        window = max(0, before - max(map(len, seq.params.stop)) + 1)
+        hits = [i for i in (seq.text.find(s, window) for s in seq.params.stop) if i >= 0]
         if not hits:
             return False
-        seq.text = text[:min(hits)]
+        seq.text = seq.text[:min(hits)]
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:

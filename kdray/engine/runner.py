@@ -1,10 +1,13 @@
-"""The model work of one engine: prefill, and the five stages of a speculative step.
+"""The model work of one engine: prefill, and the five stages of a speculative step, resident on the device.
 
-``ModelRunner`` owns the target, the drafter, both paged KV caches and the per-slot state written at
-prefill (block tables, sampling settings). AR, chain and DDTree are the same step with different trees:
+``ModelRunner`` owns the target, the drafter, both paged KV caches and the per-slot state (block tables,
+sampling settings, each slot's bonus token and cached length). A step reads its slots' state and advances
+it on the device, so the next step needs nothing from the host but the list of slots: the host reads a
+step's tokens back while the next one runs. AR, chain and DDTree are the same step with different trees:
 the root alone, a single path, or the best-first tree. In-process one runner does all of it
-(:meth:`ModelRunner.step`); on Ray a shard's runner verifies, accepts and commits, and the drafter actor's
-runner drafts and builds (see :mod:`kdray.actors`), calling the same stage methods.
+(:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs); on Ray a shard's runner verifies,
+accepts and commits, and the drafter actor's runner drafts and builds (see :mod:`kdray.actors`), calling the
+same stage methods.
 """
 from __future__ import annotations
 
@@ -12,17 +15,24 @@ from dataclasses import dataclass
 
 import torch
 
-from kdray.engine.cuda_graphs import GraphedPass
+from kdray.engine.cuda_graphs import GraphedFn
 from kdray.engine.layout import EngineLayout
-from kdray.engine.step import (Accepted, Committed, DraftOutput, PrefillBatch, StageTimer, StepBatch, StepInputs,
-                               StepResult, Verified)
+from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, PrefillBatch, StageTimer, StepBatch,
+                               StepInputs, StepResult, Verified, unpack_tokens)
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
 from kdray.kernels.tree_build import DraftTree, tree_build
-from kdray.model.batch import ForwardBatch, pack_bits
+from kdray.model.batch import ForwardBatch, pack_bits, uniform_batch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.sampling import RowParams, choose_tokens
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
+
+
+def bucket(n: int, limit: int) -> int:
+    """The batch size a step of ``n`` sequences runs at under CUDA graphs (the smallest bucket that holds it)."""
+    return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
 
 
 def root_only_tree(roots: torch.Tensor) -> DraftTree:
@@ -35,26 +45,30 @@ def root_only_tree(roots: torch.Tensor) -> DraftTree:
 
 
 class SlotState:
-    """Per-slot device state, written when a sequence is admitted into the slot: its KV pages (a block-table
-    row) and its sampling settings. A step gathers the rows of its slots."""
+    """Per-slot device state: written when a sequence is admitted into the slot (its KV pages as a block-table
+    row, its sampling settings), then its bonus token and cached length, set by the prefill and advanced by
+    every step. The extra last slot is scratch: padding rows of a batch run there, their KV in a scratch page."""
 
-    def __init__(self, num_slots: int, max_pages: int, device: torch.device):
-        self.block_table = torch.zeros(num_slots, max_pages, dtype=torch.int32, device=device)  # [slots, pages]
-        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [slots]
-        self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
-        self.seeds = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.greedy = [True] * num_slots  # host copy: a batch of greedy slots skips the sampling path
+    def __init__(self, num_slots: int, max_pages: int, scratch_page: int, device: torch.device):
+        n, self.scratch, self.scratch_page = num_slots + 1, num_slots, scratch_page
+        self.block_table = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)  # [n, pages]
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(n, dtype=torch.int64, device=device)
+        self.roots = torch.zeros(n, dtype=torch.int64, device=device)  # bonus token per slot
+        self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=device)  # cached length per slot
+        self.greedy = [True] * n  # host copy: a batch of greedy slots skips the sampling path
 
-    def write(self, batch: PrefillBatch):
-        width = self.block_table.shape[1]
-        rows = torch.zeros(len(batch.slots), width, dtype=torch.int32)  # [B, pages]
+    def admit(self, batch: PrefillBatch):
+        """Write the new sequences' block-table rows (unused entries point at the scratch page) and settings."""
+        width, dev = self.block_table.shape[1], self.block_table.device
+        rows = torch.full((len(batch.slots), width), self.scratch_page, dtype=torch.int32)  # [B, pages]
         for i, pages in enumerate(batch.pages):
             if len(pages) > width:
                 raise ValueError(f"{len(pages)} KV pages for one sequence exceed the block-table width {width}")
             rows[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        idx = torch.tensor(batch.slots, device=self.block_table.device)
-        dev = self.block_table.device
+        idx = torch.tensor(batch.slots, device=dev)
         self.block_table[idx] = rows.to(dev)
         self.temperature[idx] = torch.tensor([p.temperature for p in batch.params], dtype=torch.float32, device=dev)
         self.top_k[idx] = torch.tensor([p.top_k for p in batch.params], dtype=torch.int64, device=dev)
@@ -63,10 +77,37 @@ class SlotState:
         for slot, p in zip(batch.slots, batch.params):
             self.greedy[slot] = p.greedy
 
-    def params(self, idx: torch.Tensor, slots: list[int]) -> RowParams:
-        """Sampling settings of slots ``idx [B]`` (``slots``: the same on the host)."""
-        return RowParams(temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
-                         seeds=self.seeds[idx], all_greedy=all(self.greedy[s] for s in slots))
+    def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
+        """After a prefill: each slot's bonus token is its first generated one, its cached length the prompt's."""
+        self.roots[idx] = first
+        self.prefix_lens[idx] = prompt_lens.to(torch.int32)
+
+    def inputs(self, idx: torch.Tensor, all_greedy: bool) -> StepInputs:
+        """The state of slots ``idx [B]`` for one step."""
+        params = RowParams(temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
+                           seeds=self.seeds[idx], all_greedy=all_greedy)
+        return StepInputs(slots=idx, roots=self.roots[idx], prefix_lens=self.prefix_lens[idx],
+                          block_table=self.block_table[idx], params=params)
+
+    def advance(self, idx: torch.Tensor, length: torch.Tensor, next_token: torch.Tensor):
+        """After a step: the accepted path is cached and the target's next choice is the new bonus token. The
+        scratch slot (padding) stays at length 0."""
+        self.prefix_lens.index_put_((idx,), self.prefix_lens[idx] + length)
+        self.roots.index_put_((idx,), next_token)
+        self.prefix_lens[self.scratch] = 0
+
+    def all_greedy(self, slots: list[int]) -> bool:
+        return all(self.greedy[s] for s in slots)
+
+    def snapshot(self):
+        """A function that puts back the advancing state (lengths, roots) as it is now."""
+        saved = (self.prefix_lens.clone(), self.roots.clone())
+
+        def restore():
+            self.prefix_lens.copy_(saved[0])
+            self.roots.copy_(saved[1])
+
+        return restore
 
 
 @dataclass
@@ -86,23 +127,26 @@ class ModelRunner:
                  device: torch.device, target_kv: bool = True):
         self.target, self.drafter, self.layout, self.spec = target, drafter, layout, layout.spec
         self.device, self.page_size = torch.device(device), layout.page_size
-        self.slots = SlotState(layout.num_slots, layout.max_pages_per_seq, self.device)
+        pages = layout.num_pages + 1  # the last page is the scratch page of batch padding and overflow
+        self.slots = SlotState(layout.num_slots, layout.max_pages_per_seq, layout.num_pages, self.device)
         m = target.model
-        self.kv = torch.zeros(m.cfg.num_hidden_layers, layout.num_pages, layout.page_size, *m.kv_row_shape,
-                              dtype=m.dtype, device=device) if target_kv else None  # [layers, P, S, *row]
+        self.kv = torch.zeros(m.cfg.num_hidden_layers, pages, layout.page_size, *m.kv_row_shape, dtype=m.dtype,
+                              device=device) if target_kv else None  # [layers, P, S, *row]
         self.draft_kv = None
         if drafter is not None:
-            self.draft_kv = torch.zeros(drafter.cfg.num_hidden_layers, layout.num_pages, layout.page_size,
+            self.draft_kv = torch.zeros(drafter.cfg.num_hidden_layers, pages, layout.page_size,
                                         *drafter.kv_row_shape, dtype=drafter.dtype, device=device)
             blk = self.spec.block_size  # [d_layers, P, S, 2, Hkv, D] above; [blk, W] below
             self._see_block = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=device))
-        graphs = layout.cuda_graphs and self.device.type == "cuda"
-        self._target_pass = GraphedPass(self._target_forward) if graphs else self._target_forward
-        self._drafter_pass = GraphedPass(self._drafter_forward) if graphs else self._drafter_forward
+        self.graphs = layout.cuda_graphs and self.device.type == "cuda"
+        graphed = (lambda fn: GraphedFn(fn, self.slots.snapshot)) if self.graphs else (lambda fn: None)
+        self._step_graphs = graphed(self._step_fn)
+        self._propose_graphs = graphed(self._propose_fn)
+        self._settle_graphs = graphed(self._settle_fn)
 
     def shutdown(self):
         """Free the KV caches and captured graphs; the runner cannot step afterwards."""
-        self.kv = self.draft_kv = self._target_pass = self._drafter_pass = None
+        self.kv = self.draft_kv = self._step_graphs = self._propose_graphs = self._settle_graphs = None
 
     def timer(self) -> StageTimer:
         return StageTimer(cuda=self.device.type == "cuda")
@@ -110,16 +154,17 @@ class ModelRunner:
     # ---- prefill
 
     @torch.no_grad()
-    def prefill(self, batch: PrefillBatch) -> list[int]:
-        """In-process prefill: the prompts, then their features into the drafter's context -> first tokens."""
+    def prefill(self, batch: PrefillBatch) -> Pending[list[int]]:
+        """In-process prefill: the prompts, then their features into the drafter's context -> the first tokens,
+        on their way to the host."""
         done = self.run_prompts(batch)
         if done.features is not None:
             self.add_context(done.features, done.positions, done.cache_rows)
-        return done.first.tolist()
+        return self._to_host(done.first, lambda first, _: first)
 
     def run_prompts(self, batch: PrefillBatch) -> Prefilled:
         """Record the new sequences' slots, run their prompts, cache their KV; pick the first tokens."""
-        self.slots.write(batch)
+        self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         ids = torch.tensor([t for p in batch.prompts for t in p], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
@@ -128,20 +173,22 @@ class ModelRunner:
                                 None)
         hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
         last = fb.cu_q[1:].long() - 1  # [B]
-        first = choose_tokens(self.target.model.logits(hidden[last]), positions[last],
-                              self.slots.params(idx, batch.slots))
+        inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots))
+        first = choose_tokens(self.target.model.logits(hidden[last]), positions[last], inputs.params)
+        self.slots.start(idx, first, positions[last] + 1)
         return Prefilled(first, features, positions, fb.slot_mapping)
 
-    def prompt_rows(self, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions ``[T]``, flat cache rows ``[T]``) of a prefill's prompt tokens, for a runner that did not
-        run the prefill itself (the drafter's actor)."""
-        self.slots.write(batch)
+    def absorb_prompts(self, batch: PrefillBatch, features: torch.Tensor, first: torch.Tensor):
+        """The drafter actor's prefill, from shard 0's results: record the new sequences' slots, write the prompts'
+        context ``features [T, F]`` into the drafter's cache and start each slot at its ``first [B]`` token."""
+        self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)  # [B+1]
         idx = torch.tensor(batch.slots, device=self.device)
         zeros = torch.zeros(len(lens), dtype=torch.int32, device=self.device)
         rows = ForwardBatch.slots(self.slots.block_table[idx], zeros, cu, self.page_size, sum(lens))
-        return torch.cat([torch.arange(n) for n in lens]).to(self.device), rows
+        self.add_context(features, torch.cat([torch.arange(n) for n in lens]).to(self.device), rows)
+        self.slots.start(idx, first, torch.tensor(lens, device=self.device))
 
     def add_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
         """Hand target features ``[n, F]`` at ``positions [n]`` to the drafter: its cache rows ``rows [n]``."""
@@ -150,15 +197,76 @@ class ModelRunner:
     # ---- one speculative step
 
     @torch.no_grad()
-    def step(self, batch: StepBatch) -> StepResult:
-        """All five stages in this process; the drafter's context follows the accepted path."""
+    def step(self, batch: StepBatch) -> Pending[StepResult]:
+        """All five stages in this process (one CUDA graph per batch-size bucket on GPUs), the device state
+        advanced; the tokens on their way to the host."""
+        start = self._mark()
+        (packed,), timer = self._run(self._step_fn, self._step_graphs, self.slot_index(batch.slots),
+                                     greedy=self.slots.all_greedy(batch.slots))
+
+        def result(rows: list[list[int]], device_seconds: float | None) -> StepResult:
+            # per stage where the graph's event nodes were timed, else the whole step's device time
+            seconds = timer.seconds or ({"step": device_seconds} if device_seconds is not None else {})
+            return StepResult(unpack_tokens(rows), seconds)
+
+        return self._to_host(packed[:len(batch.slots)], result, start)
+
+    def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, StageTimer]:
+        """The drafter actor's half: draft and build -> the trees packed for the link ``[Bp, packed_width]``."""
+        (packed,), timer = self._run(self._propose_fn, self._propose_graphs, self.slot_index(batch.slots))
+        return packed, timer
+
+    def settle_step(self, batch: StepBatch, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                          StageTimer]:
+        """A shard's half: verify, accept and commit the packed trees, advance the slots -> (the committed
+        result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the timer)."""
+        (packed, features), timer = self._run(self._settle_fn, self._settle_graphs, self.slot_index(batch.slots),
+                                              tree, greedy=self.slots.all_greedy(batch.slots))
+        return packed, features, timer
+
+    def absorb_step(self, batch: StepBatch, packed: torch.Tensor, features: torch.Tensor):
+        """The drafter actor's commit: the accepted paths' features into its cache, its slots advanced as the
+        shards advanced theirs (``packed`` from :meth:`settle_step`)."""
+        idx = self.slot_index(batch.slots)
+        inputs = self.slots.inputs(idx, True)
+        self.add_context(features.flatten(0, 1), *self.path_rows(inputs))
+        self.slots.advance(idx, packed[:, 0].int(), packed[:, 1])
+
+    def padded(self, n: int) -> int:
+        """Rows a step of ``n`` sequences runs (and sends between actors) at."""
+        return bucket(n, self.layout.num_slots) if self.graphs else n
+
+    def slot_index(self, slots: list[int]) -> torch.Tensor:
+        """The slots as a device index ``[Bp]``, padded with the scratch slot to a bucket's size under graphs."""
+        padded = slots + [self.slots.scratch] * (self.padded(len(slots)) - len(slots))
+        return torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _run(self, fn, graphs: GraphedFn | None, *inputs, **options) -> tuple[tuple, StageTimer]:
+        """``fn(timer, *inputs, **options)``: replayed from ``graphs`` when there are graphs, else eagerly."""
+        if graphs is not None:
+            return graphs(inputs, **options)
         timer = self.timer()
-        inputs = self.inputs(batch)
+        return fn(timer, *inputs, **options), timer
+
+    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool) -> tuple[torch.Tensor]:
+        inputs = self.slots.inputs(idx, greedy)
         committed = self.settle(self.propose(inputs, timer), inputs, timer)
         if committed.features is not None:
             self.add_context(committed.features.flatten(0, 1), *self.path_rows(inputs))
+        self.slots.advance(idx, committed.length, committed.next_token)
         timer.end("commit")
-        return StepResult(committed.tokens(), timer.seconds)
+        return (committed.packed(),)
+
+    def _propose_fn(self, timer: StageTimer, idx: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.propose(self.slots.inputs(idx, True), timer).pack(),)
+
+    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inputs = self.slots.inputs(idx, greedy)
+        committed = self.settle(DraftTree.unpack(tree, self.spec.nodes), inputs, timer)
+        self.slots.advance(idx, committed.length, committed.next_token)
+        timer.end("commit")
+        return committed.packed(), committed.features
 
     def propose(self, inputs: StepInputs, timer: StageTimer) -> DraftTree:
         """The drafter's half of a step: ``draft``, then ``build_tree``, each timed under its name."""
@@ -177,13 +285,6 @@ class ModelRunner:
         timer.end("accept")
         return self.commit(accepted, tree, verified, inputs)
 
-    def inputs(self, batch: StepBatch) -> StepInputs:
-        """The step batch on the device, with its slots' block tables and sampling settings."""
-        host = torch.tensor([batch.slots, batch.roots, batch.prefix_lens], dtype=torch.int64)  # [3, B]
-        idx, roots, prefix = host.to(self.device)
-        return StepInputs(roots=roots, prefix_lens=prefix.int(), prefix_host=list(batch.prefix_lens),
-                          block_table=self.slots.block_table[idx], params=self.slots.params(idx, batch.slots))
-
     def draft(self, inputs: StepInputs) -> DraftOutput | None:
         """The drafter over ``[bonus, MASK x L]`` per sequence -> logits at depths 1..L (None for AR)."""
         if self.spec.mode == "ar":
@@ -192,9 +293,9 @@ class ModelRunner:
         tokens = torch.full((B, blk), d.cfg.mask_token_id, dtype=torch.int64, device=self.device)  # [B, blk]
         tokens[:, 0] = inputs.roots
         positions = (inputs.prefix_lens.long()[:, None] + torch.arange(blk, device=self.device)).reshape(-1)
-        fb = ForwardBatch.build(tokens.reshape(-1), positions, [blk] * B, inputs.prefix_host, inputs.block_table,
-                                self.page_size, self._see_block.expand(B, blk, -1).contiguous())
-        return DraftOutput(self._drafter_pass(fb)[0])
+        fb = uniform_batch(tokens.reshape(-1), positions, blk, inputs.prefix_lens, inputs.block_table,
+                           self.page_size, self._see_block.expand(B, blk, -1).contiguous())
+        return DraftOutput(self._drafter_forward(fb))
 
     def build_tree(self, draft: DraftOutput | None, inputs: StepInputs) -> DraftTree:
         """Each sequence's best-first tree rooted at its bonus token (a chain for ``chain``, the root for AR)."""
@@ -207,12 +308,12 @@ class ModelRunner:
         """Every tree node through the target in one pass. Each tree runs at its full width 1 + nodes (slots past
         ``num_nodes`` hold token 0 seeing only itself and are never accepted), so the pass's shape is known
         without reading the trees back."""
-        B, width = tree.tokens.shape
+        width = tree.tokens.shape[1]
         positions = (inputs.prefix_lens[:, None] + tree.depths).long().flatten()  # [B * (1+N)]
-        fb = ForwardBatch.build(tree.tokens.flatten(), positions, [width] * B, inputs.prefix_host,
-                                inputs.block_table, self.page_size, tree.mask)
-        logits, features = self._target_pass(fb)
-        return Verified(logits, positions, features)
+        fb = uniform_batch(tree.tokens.flatten(), positions, width, inputs.prefix_lens, inputs.block_table,
+                           self.page_size, tree.mask)
+        hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
+        return Verified(self.target.model.logits(hidden), positions, features)
 
     def accept(self, verified: Verified, tree: DraftTree, inputs: StepInputs) -> Accepted:
         """The target's choice at every node (argmax, or its exact sample), then the longest path it agrees with."""
@@ -244,16 +345,32 @@ class ModelRunner:
         cu = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=self.device)  # [B+1]
         return positions, ForwardBatch.slots(inputs.block_table, inputs.prefix_lens, cu, self.page_size, B * n)
 
-    # ---- the passes (replayed from CUDA graphs on GPUs)
-
-    def _target_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target forward and LM head: (logits ``[T, V]``, context features ``[T, F]`` or None)."""
-        hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
-        return self.target.model.logits(hidden), features
-
-    def _drafter_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor]:
+    def _drafter_forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Drafter over the blocks ``[bonus, MASK x L]`` -> draft logits ``[B, L, V]`` at positions 1..L."""
         B, blk = fb.cu_q.shape[0] - 1, self.spec.block_size
         hidden = self.drafter(self.target.model.embed_tokens(fb.input_ids), fb, self.draft_kv)  # [B*blk, H]
         hidden = hidden.view(B, blk, -1)[:, 1:].reshape(B * (blk - 1), -1).to(self.target.model.dtype)
-        return (self.target.model.logits(hidden).view(B, blk - 1, -1),)
+        return self.target.model.logits(hidden).view(B, blk - 1, -1)
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """A timing event recorded now on the current stream (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _to_host(self, values: torch.Tensor, parse, start: torch.cuda.Event | None = None) -> Pending:
+        """Copy ``values`` to the host without waiting (pinned memory on GPUs); the Pending calls
+        ``parse(rows, device seconds since start or None)``."""
+        if values.device.type != "cuda":
+            return Pending.ready(parse(values.tolist(), None))
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = self._mark()
+
+        def wait():
+            done.synchronize()
+            return parse(host.tolist(), start.elapsed_time(done) / 1e3 if start is not None else None)
+
+        return Pending(wait)

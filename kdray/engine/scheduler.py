@@ -42,9 +42,10 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def decode_batch(self, exclude: list[Sequence]) -> list[Sequence]:
-        """Running, prefilled sequences for this step, rotating the start when the token bound cuts the list."""
-        ready = [s for s in self.running if s.cached_len > 0 and not s.finished and s not in exclude]
+    def decode_batch(self) -> list[Sequence]:
+        """Running sequences not known to have finished (their prefill is launched before any step), rotating the
+        start when the token bound cuts the list."""
+        ready = [s for s in self.running if not s.finished]
         limit = max(1, self.max_tokens_per_step // self.per_seq)
         if len(ready) <= limit:
             return ready

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kdray.engine.request import SamplingParams
 from kdray.engine.step import STAGES
+from kdray.model.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -13,8 +14,8 @@ class Sequence:
     """Committed tokens and KV pages of one request, changed only by the engine (and its scheduler, which
     hands out pages and slots).
 
-    Invariant between steps: ``cached_len = len(prompt) + len(output) - 1``; the last output token is the
-    *bonus* (chosen by the target, not yet run through it) and is the root of the next draft tree.
+    Invariant between applied steps: ``cached_len = len(prompt) + len(output) - 1``; the last output token is
+    the *bonus* (chosen by the target, not yet run through it) and is the root of the next draft tree.
     """
 
     request_id: str
@@ -24,7 +25,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     slot: int = -1  # the runner's per-slot state (block table, sampling settings) while running
-    cached_len: int = 0
+    cached_len: int = 0  # as of the last step applied (the device runs one step ahead)
+    inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet
+    detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)

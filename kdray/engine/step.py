@@ -11,13 +11,15 @@ dataclasses::
     accept(Verified, DraftTree, StepInputs) -> Accepted                the longest path the target agrees with
     commit(Accepted, DraftTree, Verified, StepInputs) -> Committed     its KV and drafter context kept
 
-Only :meth:`Committed.tokens` reads device memory back, once per step. Request state is changed by
-the engine alone, from the :class:`StepResult`.
+Only :meth:`Committed.packed` goes back to the host, once per step and asynchronously (a :class:`Pending`);
+request state is changed by the engine alone, from the :class:`StepResult`, one step behind the device.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -25,6 +27,7 @@ from kdray.engine.request import SamplingParams
 from kdray.spec.sampling import RowParams
 
 STAGES = ("draft", "build", "verify", "accept", "commit")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -40,20 +43,19 @@ class PrefillBatch:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """Sequences that take one speculative step: slot, bonus token (the tree's root) and cached length."""
+    """The slots of the sequences that take one speculative step. Each slot's bonus token (the tree's root) and
+    cached length live on the device, advanced by every step, so the host never has to know them to launch."""
 
     slots: list[int]
-    roots: list[int]
-    prefix_lens: list[int]
 
 
 @dataclass
 class StepInputs:
-    """A step batch on the device, with the per-slot state written at prefill."""
+    """A step's slots and their per-slot device state (written at prefill, advanced by each step)."""
 
+    slots: torch.Tensor  # [B] int64
     roots: torch.Tensor  # [B] int64 bonus tokens
     prefix_lens: torch.Tensor  # [B] int32 cached lengths
-    prefix_host: list[int]
     block_table: torch.Tensor  # [B, max_pages] int32
     params: RowParams  # one row per sequence
 
@@ -84,10 +86,32 @@ class Committed:
     next_token: torch.Tensor  # [B] int64
     features: torch.Tensor | None  # [B, 1+L, F]: the path's context features, handed to the drafter
 
-    def tokens(self) -> list[list[int]]:
-        """Per sequence, the tokens this step emits (the accepted drafts, then the next bonus): one host read."""
-        host = torch.cat([self.length[:, None].long(), self.next_token[:, None], self.path], dim=1).tolist()
-        return [row[3:2 + row[0]] + [row[1]] for row in host]
+    def packed(self) -> torch.Tensor:
+        """``[B, 2 + (1+L)]`` int64: the length, the next token, then the path, for one copy to the host."""
+        return torch.cat([self.length[:, None].long(), self.next_token[:, None], self.path], dim=1)
+
+
+def unpack_tokens(rows: list[list[int]]) -> list[list[int]]:
+    """Per sequence, the tokens a step emits (the accepted drafts, then the next bonus) from :meth:`Committed.packed`
+    rows."""
+    return [row[3:2 + row[0]] + [row[1]] for row in rows]
+
+
+class Pending(Generic[T]):
+    """A runner's result on its way (a copy from the device, a reply from the actors): ``result()`` waits for it.
+    The engine launches step k+1 before it asks for step k's result, so the host works while the device does."""
+
+    def __init__(self, wait: Callable[[], T]):
+        self._wait, self._done, self._value = wait, False, None
+
+    @classmethod
+    def ready(cls, value: T) -> Pending[T]:
+        return cls(lambda: value)
+
+    def result(self) -> T:
+        if not self._done:
+            self._value, self._done = self._wait(), True
+        return self._value
 
 
 @dataclass
@@ -97,18 +121,27 @@ class StepResult:
 
 
 class StageTimer:
-    """Seconds per stage of one step. On a GPU (``cuda``) each mark records a CUDA event on the current stream,
-    so timing adds no host synchronisation; the times are read once the step's results are on the host.
-    Otherwise, host wall time. ``end(None)`` closes an interval that belongs to no stage (waiting on a peer)."""
+    """Seconds per stage of one step. On a GPU (``cuda``) each mark records a CUDA event on the current stream, so
+    timing adds no host synchronisation; the times are read once the step's results are on the host. Marks made
+    while a CUDA graph captures (``in_graph``) become event nodes, recorded again by every replay. Otherwise,
+    host wall time. ``end(None)`` closes an interval that belongs to no stage (waiting on a peer)."""
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, cuda: bool, in_graph: bool = False):
+        self.cuda, self.in_graph = cuda, in_graph
+        self._marks: list = []
+        if not in_graph:
+            self.start()
+
+    def start(self):
         self._marks = [(None, self._now())]
 
     def _now(self):
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        try:
+            event = torch.cuda.Event(enable_timing=True, external=self.in_graph)
+        except TypeError:  # a torch without graph event nodes: stages inside graphs go untimed
+            return None
         event.record()
         return event
 
@@ -117,12 +150,18 @@ class StageTimer:
 
     @property
     def seconds(self) -> dict[str, float]:
+        """Per stage, once the marked work has finished (waits for it on a GPU); {} where events are missing."""
+        if not self._marks or any(m is None for _, m in self._marks):
+            return {}
         if self.cuda:
             self._marks[-1][1].synchronize()
         out: dict[str, float] = {}
-        for (_, start), (stage, stop) in zip(self._marks, self._marks[1:]):
-            if stage is not None:
-                out[stage] = out.get(stage, 0.0) + (start.elapsed_time(stop) / 1e3 if self.cuda else stop - start)
+        try:
+            for (_, start), (stage, stop) in zip(self._marks, self._marks[1:]):
+                if stage is not None:
+                    out[stage] = out.get(stage, 0.0) + (start.elapsed_time(stop) / 1e3 if self.cuda else stop - start)
+        except RuntimeError:  # the driver did not time these graph nodes
+            return {}
         return out
 
 

