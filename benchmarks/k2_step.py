@@ -147,7 +147,7 @@ def profile(run) -> tuple[int, str]:
 
 
 def replay_ms(run) -> float:
-    """Median of CUDA-graph replays of ``run()`` (captured once; replays for ~1.5 s, 3 to 25 of them)."""
+    """Median of CUDA-graph replays of ``run()`` (captured once; replays for ~1 s, 3 to 25 of them)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -164,7 +164,7 @@ def replay_ms(run) -> float:
     graph.replay()
     torch.cuda.synchronize()
     times, start = [], time.perf_counter()
-    while len(times) < 3 or (len(times) < 25 and time.perf_counter() - start < 1.5):
+    while len(times) < 3 or (len(times) < 25 and time.perf_counter() - start < 1.0):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         graph.replay()

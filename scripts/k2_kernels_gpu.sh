@@ -11,15 +11,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --dist loadfile tests/test_kernel_rmsnorm.py \
+timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --dist loadfile tests/test_kernel_rmsnorm.py \
   tests/test_kernel_mla_rope_cache.py tests/test_kernel_moe_route.py tests/test_kernel_silu_mul.py \
   tests/test_kernel_w4a16_moe.py tests/test_kernel_k2_layers.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/tests.txt"
-timeout 110 python3 benchmarks/k2_step.py --label after --md "$OUT/k2-after.md" 2>&1 | tee "$OUT/k2-after.txt"
+timeout 85 python3 benchmarks/k2_step.py --label after --md "$OUT/k2-after.md" 2>&1 | tee "$OUT/k2-after.txt"
 if [ -n "$BASE" ]; then
-  (cd "$BASE" && PYTHONPATH=$BASE:$ROOT timeout 130 python3 "$ROOT/benchmarks/k2_step.py" --label before \
+  (cd "$BASE" && PYTHONPATH=$BASE:$ROOT timeout 85 python3 "$ROOT/benchmarks/k2_step.py" --label before \
     --md "$OUT/k2-before.md" 2>&1 | tee "$OUT/k2-before.txt")
 fi
-timeout 60 python3 benchmarks/bench_moe.py 2>&1 | tee "$OUT/moe-sweep.txt"
+timeout 45 python3 benchmarks/bench_moe.py 2>&1 | tee "$OUT/moe-sweep.txt"
 echo "== summary"
 grep -E "passed|failed|error" "$OUT/tests.txt" | tail -3
 cat "$OUT"/k2-*.md 2>/dev/null
