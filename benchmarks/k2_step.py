@@ -4,7 +4,8 @@
 
 The shard is ``kdray.model.k2.K2Model`` built from a ``K2Config`` at K2's dimensions divided for TP8 (8 of 64
 heads, expert width 2048/8, dense width 18432/8, vocabulary 163840/8; q/kv down-projections and the router
-whole), its parameters filled with random values in place on the GPU (INT4 experts as random packed words).
+whole), its parameters filled with random values in place on the GPU (INT4 experts as random bytes: every
+nibble uniform, so no expert row shares a common-mode part and tokens route apart as K2's do).
 A grid cell ``BxN`` is a batch of B sequences, each verifying 1 + N tokens (the bonus token and an N-node draft;
 N = 0 is plain decoding) after a cached prefix of ``--prefix`` tokens; the draft is a chain (a tree of the same
 size costs the same: every kernel reads the whole mask tile). The pass ends with the vocabulary-parallel logits.
@@ -69,7 +70,7 @@ def random_shard(cfg: K2Config) -> K2Model:
         if name.endswith("inv_freq"):
             continue
         if t.dtype == torch.int32:
-            t.random_()  # packed INT4 words
+            t.view(torch.uint8).random_()  # packed INT4 words: every nibble uniform in [0, 16)
         elif name.endswith("_scale"):
             t.uniform_(0.5, 1.5).div_(5 * (32 * t.shape[-1]) ** 0.5)  # weights near 1 / sqrt(in_features)
         elif name.endswith("e_score_correction_bias"):
@@ -132,7 +133,7 @@ def touched_experts(model: K2Model, run) -> list[int]:
 
 
 def profile(run) -> tuple[int, str]:
-    """(GPU activities of one eager ``run()``: kernels, copies, memsets; the 8 largest by device time)."""
+    """(GPU activities of one eager ``run()``: kernels, copies, memsets; the 12 largest by device time)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -142,7 +143,7 @@ def profile(run) -> tuple[int, str]:
     by_name: dict[str, float] = {}
     for e in events:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return len(events), ", ".join(f"{n[:48]} {t / 1e3:.2f} ms" for n, t in top)
 
 

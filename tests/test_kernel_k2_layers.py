@@ -29,11 +29,16 @@ def unfused(monkeypatch):
     monkeypatch.setattr(k2, "silu_mul", silu_mul_reference)
 
 
-@pytest.mark.parametrize("prefill", [False, True])
-def test_fused_ops_match_unfused_code(monkeypatch, prefill):
+@pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (True, [65, 40, 65])])
+def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     cfg = k2_shard_config()
     model = random_model(cfg)
-    page, prefix, q_lens = 64, [0, 0, 0] if prefill else [300, 17, 1000], [65, 40, 65]
+    with torch.no_grad():  # routing by the bias alone: an ulp of difference cannot flip a token's experts
+        for m in model.modules():
+            if isinstance(m, k2.MoE):
+                m.gate.mul_(1e-3)
+                m.e_score_correction_bias.copy_(torch.randperm(cfg.n_routed_experts, device="cuda") * 0.01)
+    page, prefix = 64, [0, 0, 0] if prefill else [300, 17, 1000]
     pages = (max(prefix) + max(q_lens) + page - 1) // page
     g = torch.Generator("cuda").manual_seed(1)
     kv = torch.randn(cfg.num_hidden_layers, 3 * pages, page, cfg.kv_cache_dim, device="cuda", generator=g).bfloat16()
@@ -52,7 +57,5 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill):
     unfused(monkeypatch)
     ref, ref_kv = logits(kv.clone())
     assert torch.isfinite(fused).all()
-    # bf16 rounding differs by an ulp here and there, which can flip a near-tied expert choice of a token.
-    per_token = (fused - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel_err(fused, ref) < 2e-2 and (per_token < 1e-2).float().mean() > 0.9
+    assert rel_err(fused, ref) < 1e-2
     assert rel_err(fused_kv, ref_kv) < 1e-2

@@ -100,9 +100,10 @@ def test_add_is_added_after_rounding():
 
 
 def test_skinny_path_serves_few_rows_per_expert():
-    """K2 TP8 shapes: decode and trees up to ~257 tokens take the skinny path, a 32 x 65-token verify the tiles."""
+    """K2 TP8 shapes: decode and trees up to ~192 tokens take the skinny path, larger verifies the tiles."""
     assert _choose_variant(384, 7168, 256, 8 * 1) == SKINNY
-    assert _choose_variant(384, 7168, 256, 8 * 257) == SKINNY
+    assert _choose_variant(384, 7168, 256, 8 * 192) == SKINNY
+    assert _choose_variant(384, 7168, 256, 8 * 257) == "m16n1"
     assert _choose_variant(384, 7168, 256, 8 * 32 * 65) == "m32n2"
     assert _choose_variant(32, 320, 64, 8) == "m16n1"  # H, I not multiples of 128
 

@@ -45,7 +45,7 @@ VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2)}
 SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and I multiples of 128
 SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
-SKINNY_MAX_ROWS_PER_EXPERT = 6  # route slots per expert up to which the skinny path is chosen
+SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 
 
 def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> tuple[int, int, int, int]:
