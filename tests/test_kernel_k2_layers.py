@@ -1,5 +1,5 @@
-"""Two K2 TP8-shard layers on the GPU: the fused ops (rmsnorm, mla_rope_cache, moe_route, silu_mul, skinny_linear)
-give the logits of the unfused torch code they replace, in a verify pass and a prefill pass."""
+"""Two K2 TP8-shard layers on the GPU: the fused ops (rmsnorm, mla_rope_cache, moe_route, silu_mul) give the
+logits of the unfused torch code they replace, in a verify pass and a prefill pass."""
 import pytest
 import torch
 from gpu_checks import rel_err
@@ -11,7 +11,6 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache_reference
 from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
 from kdray.kernels.silu_mul import silu_mul_reference
-from kdray.kernels.skinny_linear import skinny_linear_reference
 from kdray.model.batch import ForwardBatch, causal_tree_mask
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +27,6 @@ def unfused(monkeypatch):
     monkeypatch.setattr(k2, "mla_rope_cache", mla_rope_cache_reference)
     monkeypatch.setattr(k2, "moe_route", moe_route_reference)
     monkeypatch.setattr(k2, "silu_mul", silu_mul_reference)
-    monkeypatch.setattr(k2, "skinny_linear", skinny_linear_reference)
 
 
 @pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (True, [65, 40, 65])])

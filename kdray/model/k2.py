@@ -5,8 +5,7 @@ form over the latent cache (576 values per token and layer for K2), through the 
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
 roped key into the cache and ropes the queries, the absorbed projections are two batched GEMMs over
-``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output, and the
-projections of decode-sized batches run a GEMV kernel (``skinny_linear``).
+``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output.
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from kdray.config import K2Config
 from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.moe_route import moe_route
 from kdray.kernels.silu_mul import silu_mul
-from kdray.kernels.skinny_linear import skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch
@@ -28,13 +26,6 @@ from kdray.model.parallel import SINGLE, shard_range
 
 # HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-
-
-def _linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` with the product through ``skinny_linear`` (its GEMV kernel serves decode-sized batches);
-    a row-parallel layer's partial sums are all-reduced as ``Linear.forward`` does."""
-    y = skinny_linear(x, layer.weight)
-    return layer.group.all_reduce(y) if layer.tp_dim == 1 and layer.group.size > 1 else y
 
 
 class MLAttention(nn.Module):
@@ -59,10 +50,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(H * cfg.v_head_dim, cfg.hidden_size, dtype, tp_dim=1, group=group)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.q_lora_rank is None:
-            q = _linear(self.q_proj, x)
-        else:
-            q = _linear(self.q_b_proj, self.q_a_layernorm(_linear(self.q_a_proj, x)))
+        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.heads, self.cfg.qk_head_dim)  # [T, Hl, nope + rope]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +68,7 @@ class MLAttention(nn.Module):
         c, T = self.cfg, x.shape[0]
         nope, L = c.qk_nope_head_dim, c.kv_lora_rank
         q = self._queries(x)  # [T, Hl, nope + rope]
-        kv_a = _linear(self.kv_a_proj_with_mqa, x)  # [T, kv_lora + rope]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
         rows = cache.view(-1, c.kv_cache_dim)  # [P * S, kv_lora + rope]
         if batch.is_prefill:
             q_pe = q[..., nope:]
@@ -99,7 +87,7 @@ class MLAttention(nn.Module):
                                           batch.tree_mask, c.softmax_scale, L)  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
             torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))  # [Hl, T, v]
-        return _linear(self.o_proj, out.reshape(T, self.heads * c.v_head_dim))
+        return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))
 
     def _plain(self, q_nope, q_pe, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
         """Causal attention per prompt with keys and values expanded per head -> ``[T, Hl, v]``."""
@@ -181,14 +169,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``, one all-reduce over the group."""
         cfg = self.cfg
-        logits = skinny_linear(x, self.gate, torch.float32)  # [T, E]: fp32 sums of the model-dtype operands
+        if x.is_cuda and x.dtype != torch.float32:
+            logits = torch.mm(x, self.gate.t(), out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
+        else:
+            logits = F.linear(x.float(), self.gate.float())
         ids, weights = moe_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
                                  cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
                                  (self.e0, self.experts) if self.ep else None)  # [T, k] each
         shared = None
         if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
-            shared = skinny_linear(silu_mul(skinny_linear(x, self.shared.gate_up.weight)),
-                                   self.shared.down.weight)  # [T, H]
+            shared = F.linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
         if self.cfg.quantization is None:
             out = dense_experts(x, self.w13, self.w2, ids, weights)
             out = out if shared is None else out + shared

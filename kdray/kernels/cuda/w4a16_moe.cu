@@ -14,7 +14,9 @@
 // dequantizes it once in registers and feeds it to every m16 tile of the pass, so each used expert's weights
 // cross HBM once.
 // Gate and up rows of the same outputs sit in the same warp, so SiLU(gate) * up is formed in registers.
-#include "mma.cuh"
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
 
 #define THREADS 256  // GEMM block: 8 warps
 #define KC 256       // k per pipeline stage: 128 contiguous bytes of every packed weight row
@@ -42,6 +44,15 @@ __device__ __forceinline__ void ldmatrix_x4(u32* a, u32 addr) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(addr)
                : "memory");
+}
+
+// c[4] += A(16x16) * B(16x8), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ u32 bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<u32*>(&v); }
@@ -410,6 +421,15 @@ extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, const ui
 // crosses HBM once and feeds one mma. Lane (r, c) of a warp loads the 32 k [32 (4 ch + c), +32) of chunk ch of
 // weight rows r and r + 8 (one group: one scale) and the same 32 k of row r of B; pair p of word q of its weight
 // piece (nibbles p, p + 4) meets the B pair (8q + p, 8q + p + 4), the k-slot mapping of the tensor-core path above.
+
+// 16-byte load of streamed weights: not kept in L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 
 // B fragment of k-step 2q + j of a chunk from the lane's 16-byte piece q of its B row:
 // (k 2j, 2j + 4) and (2j + 1, 2j + 5) of the piece.
