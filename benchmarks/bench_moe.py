@@ -8,11 +8,16 @@ verify step runs it); the per-kernel device times and each GEMM variant's time a
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Ceilings, Row, time_us
-from kdray.kernels.w4a16_moe import VARIANTS, _w4a16_moe_cuda, random_int4_experts, w4a16_moe
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import Ceilings, Row, print_table, time_us  # noqa: E402
+from kdray.kernels.w4a16_moe import (SKINNY, VARIANTS, _choose_variant, _w4a16_moe_cuda,  # noqa: E402
+                                     random_int4_experts, w4a16_moe)
 
 H, E, K = 7168, 384, 8
 WIDTHS = (256, 2048)  # expert width per shard: TP8, TP1
@@ -98,7 +103,7 @@ def bench(ceil: Ceilings) -> list[Row]:
             run = lambda: w4a16_moe(x, *int4, ids, weights)  # noqa: E731
             t = time_us(run, graph=True)
             sweep = {v: time_us(lambda v=v: _w4a16_moe_cuda(x, *int4, ids, weights, variant=v), graph=True)
-                     for v in VARIANTS}
+                     for v in (SKINNY, *VARIANTS)}
             print(f"# I={I} T={T}: {touched} experts, graph {t:.1f} us, eager {time_us(run):.1f} us; "
                   f"kernels (us): {_kernel_breakdown(run)}; variants (us): "
                   + ", ".join(f"{v} {tv:.1f}" for v, tv in sweep.items()))
@@ -110,3 +115,31 @@ def bench(ceil: Ceilings) -> list[Row]:
         del int4, w13, w2
         torch.cuda.empty_cache()
     return rows
+
+
+def sweep_families(tokens=(1, 17, 65, 257, 2080), I: int = 256):
+    """Every GEMM family at K2 TP8 shapes over the token counts of decode and verify steps: graph-replayed time and
+    touched-expert bytes per second (the floor's rate), and the family ``w4a16_moe`` picks."""
+    ceil = Ceilings.measure()
+    int4 = random_int4_experts(E, H, I)
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in int4)
+    families = (SKINNY, "m16n1", "m32n2")
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+        weights = torch.rand(T, K, device="cuda")
+        moved = ids.unique().numel() * expert_bytes
+        cells = [f"T={T} ({ids.unique().numel()} experts)", f"{ceil.floor_us(moved):.1f}"]
+        for v in families:
+            t = time_us(lambda v=v: _w4a16_moe_cuda(x, *int4, ids, weights, variant=v), graph=True)
+            cells.append(f"{t:.1f} ({moved / (t * 1e-6) / 1e9:.0f} GB/s)")
+        cells.append(_choose_variant(E, H, I, T * K))
+        print(f"# T={T} skinny kernels (us): "
+              f"{_kernel_breakdown(lambda: _w4a16_moe_cuda(x, *int4, ids, weights, variant=SKINNY))}", flush=True)
+        rows.append(cells)
+    print_table(rows, ["tokens", "floor us", *(f"{v} us" for v in families), "chosen"])
+
+
+if __name__ == "__main__":
+    sweep_families()

@@ -2,9 +2,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_checks import poison_allocator, rel_err
 
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
-from kdray.kernels.w4a16_moe import random_int4_experts, w4a16_moe, w4a16_moe_reference
+from kdray.kernels.w4a16_moe import (SKINNY, _choose_variant, _w4a16_moe_cuda, random_int4_experts, w4a16_moe,
+                                     w4a16_moe_reference)
 
 
 def _routing(T, E, k, device="cpu", experts=None, skip=0.0, gen=None):
@@ -84,6 +86,28 @@ def test_packing_matches_compressed_tensors():
     torch.testing.assert_close(out, _dense_loop(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
 
 
+def test_add_is_added_after_rounding():
+    """``add`` (the shared expert's output) joins the routed sum as ``routed + add`` does in torch."""
+    torch.manual_seed(3)
+    w13p, w13s, w2p, w2s = _quantized_experts(4, 64, 32)
+    x = torch.randn(5, 64).bfloat16()
+    ids, weights = _routing(5, 4, 2)
+    add = torch.randn(5, 64).bfloat16()
+    routed = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
+    assert torch.equal(w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add), routed + add)
+    with pytest.raises(ValueError, match="add must be"):
+        w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add.float())
+
+
+def test_skinny_path_serves_few_rows_per_expert():
+    """K2 TP8 shapes: decode and trees up to ~192 tokens take the skinny path, larger verifies the tiles."""
+    assert _choose_variant(384, 7168, 256, 8 * 1) == SKINNY
+    assert _choose_variant(384, 7168, 256, 8 * 192) == SKINNY
+    assert _choose_variant(384, 7168, 256, 8 * 257) == "m16n1"
+    assert _choose_variant(384, 7168, 256, 8 * 32 * 65) == "m32n2"
+    assert _choose_variant(32, 320, 64, 8) == "m16n1"  # H, I not multiples of 128
+
+
 def test_shape_errors_are_clear():
     w13p, w13s, w2p, w2s = _quantized_experts(2, 64, 32)
     ids, weights = _routing(3, 2, 1)
@@ -96,17 +120,6 @@ def test_shape_errors_are_clear():
 
 
 # ---------------------------------------------------------------- GPU: the CUDA kernels against the reference
-
-
-def _poison_allocator():
-    """Fill memory the caching allocator will hand out next with NaN, so unwritten outputs show."""
-    blocks = [torch.full((1 << 26,), float("nan"), device="cuda")] + [
-        torch.full((1 << 16,), float("nan"), device="cuda") for _ in range(64)]
-    del blocks
-
-
-def _rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 GPU_SHAPES = [  # T, H, I, E, k, experts used (None: all), share of -1 ids
@@ -133,14 +146,44 @@ def test_cuda_matches_reference(T, H, I, E, k, used, skip):
     for _ in range(2):  # fresh inputs each round
         x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
         ids, weights = _routing(T, E, k, "cuda", experts, skip, gen)
-        _poison_allocator()
+        poison_allocator()
         out = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
         ref = w4a16_moe_reference(x.float(), w13p, w13s, w2p, w2s, ids, weights)
         assert out.dtype == torch.bfloat16 and out.shape == (T, H)
         assert torch.isfinite(out).all()
-        assert _rel_err(out, ref) < 1e-2
+        assert rel_err(out, ref) < 1e-2
         skipped = (ids < 0).all(1)
         assert torch.equal(out[skipped], torch.zeros_like(out[skipped]))
+
+
+SKINNY_SHAPES = [  # T, H, I, E, k, experts used (None: all), share of -1 ids: both GEMM families on each
+    (1, 7168, 256, 384, 8, None, 0.0),  # K2 TP8 decode
+    (17, 7168, 256, 384, 8, None, 0.0),  # a 16-node tree
+    (3, 384, 128, 16, 2, None, 0.3),  # H % 256 == 128: a half down block
+    (130, 256, 128, 8, 2, 3, 0.0),  # ~87 rows per expert: 11 skinny passes each
+    (40, 1024, 384, 24, 4, None, 0.1),  # 3 chunks of K = I in the down GEMM
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [SKINNY, "m16n1", "m32n2"])
+@pytest.mark.parametrize("T,H,I,E,k,used,skip", SKINNY_SHAPES)
+def test_cuda_variants_match_reference(T, H, I, E, k, used, skip, variant):
+    """Every GEMM family on shapes the other one serves by default, with the shared-expert ``add``."""
+    gen = torch.Generator("cuda").manual_seed(T * 31 + I + len(variant))
+    w13p, w13s, w2p, w2s = random_int4_experts(E, H, I, "cuda", gen)
+    experts = None if used is None else torch.randperm(E, device="cuda", generator=gen)[:used]
+    for _ in range(2):
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.05
+        ids, weights = _routing(T, E, k, "cuda", experts, skip, gen)
+        poison_allocator()
+        out = _w4a16_moe_cuda(x, w13p, w13s, w2p, w2s, ids, weights, add, variant=variant)
+        ref = w4a16_moe_reference(x.float(), w13p, w13s, w2p, w2s, ids, weights) + add.float()
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-2
+        skipped = (ids < 0).all(1)
+        assert torch.equal(out[skipped], add[skipped])
 
 
 @pytest.mark.gpu
@@ -166,7 +209,7 @@ def test_cuda_graph_replay_matches_eager():
         eager = w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights)
         # Equal up to the order of the fp32 reductions across experts (a last-bit bf16 flip at most).
         torch.testing.assert_close(static_out, eager, rtol=2 ** -7, atol=1e-6)
-        assert _rel_err(static_out, w4a16_moe_reference(x.float(), w13p, w13s, w2p, w2s, ids, weights)) < 1e-2
+        assert rel_err(static_out, w4a16_moe_reference(x.float(), w13p, w13s, w2p, w2s, ids, weights)) < 1e-2
 
 
 @pytest.mark.gpu

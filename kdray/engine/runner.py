@@ -94,7 +94,7 @@ class SlotState:
         scratch slot (padding) stays at length 0."""
         self.prefix_lens.index_put_((idx,), self.prefix_lens[idx] + length)
         self.roots.index_put_((idx,), next_token)
-        self.prefix_lens[self.scratch] = 0
+        self.prefix_lens[self.scratch:].zero_()  # a kernel, not a host-to-device copy (graph capture)
 
     def all_greedy(self, slots: list[int]) -> bool:
         return all(self.greedy[s] for s in slots)

@@ -43,6 +43,27 @@ def _kernel(name: str, kernel: str, device_index: int, defines: tuple[tuple[str,
     return [load_module(name, device_index, defines).get_function(kernel), 48 * 1024]
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` as ``[rows, n]`` with unit stride along n: a view when the layout allows one, else a copy."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1])
+
+
+def vector_elems(n: int, tensors: list[torch.Tensor]) -> int:
+    """Widest access (16, 8, 4 or 2 bytes, else one element) for rows of ``n`` elements of ``tensors``' dtype:
+    it must divide the row and every tensor's address and row stride (dim 0 of a 2-D tensor)."""
+    elem = tensors[0].element_size()
+    for nbytes in (16, 8, 4, 2):
+        v = nbytes // elem
+        if v and n % v == 0 and all(t.data_ptr() % nbytes == 0 and (t.dim() != 2 or t.stride(0) * elem % nbytes == 0)
+                                    for t in tensors):
+            return v
+    return 1
+
+
 @functools.cache
 def _cupy_stream(handle: int, device_index: int):
     """CuPy's view of a torch stream (one object per stream, reused by every launch on it)."""

@@ -5,18 +5,26 @@
 compressed-tensors ``pack-quantized`` INT4 (see ``int4.py``): rows ``[0, I)`` of ``w13`` are gate_proj,
 rows ``[I, 2I)`` up_proj; group size ``g = H / w13_scale.shape[-1]``.
 
+``add`` (optional, ``[T, H]`` in ``x.dtype``) is added to the result, rounded as ``routed + add`` rounds in torch
+(the MoE layer passes its shared expert's output).
+
 CPU tensors run the torch reference (fp32 math over the dequantized experts that are used). CUDA
 tensors run four kernels from ``cuda/w4a16_moe.cu`` on torch's current stream, with no host sync, so a
 verify step's MoE can be captured in a CUDA graph:
 
 1. ``moe_prep``: block 0 sorts the (token, slot) pairs by expert (histogram + prefix sum) and cuts each
    expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
-   ldmatrix loads read (see the .cu) and zero the fp32 output accumulator.
-2. ``moe_up_m*``: per (pass, N tile) the gate/up GEMM on tensor cores with INT4 dequantized in
-   registers, SiLU(gate) * up fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
-3. ``moe_down_m*``: the down GEMM over ``h``; each row scaled by its routing weight and added
+   ldmatrix loads read (see the .cu; not needed by the skinny path) and zero the fp32 output accumulator.
+2. ``moe_up_*``: per (pass, N tile) the gate/up GEMM with INT4 dequantized in registers, SiLU(gate) * up
+   fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
+3. ``moe_down_*``: the down GEMM over ``h``; each row scaled by its routing weight and added
    (fp32 reductions) into ``acc [T, H]``.
-4. ``moe_finalize``: ``acc`` -> ``out`` in bf16.
+4. ``moe_finalize``: ``acc`` (+ ``add``) -> ``out`` in bf16.
+
+Two families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
+(passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
+rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
+staged through a cp.async pipeline in shared memory, 16 or 32 rows per pass).
 """
 from __future__ import annotations
 
@@ -34,6 +42,10 @@ THREADS = 256  # 8 warps per GEMM block
 MAX_E = 4096  # experts the routing block's shared memory holds
 # GEMM variants: (rows per pass MT, n8 tiles per warp half NT, pipeline stages); a tile is 128 * NT weight rows.
 VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2)}
+SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and I multiples of 128
+SKINNY_ROWS = 8
+SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
+SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 
 
 def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> tuple[int, int, int, int]:
@@ -65,8 +77,9 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
     return E, H, I, group
 
 
-def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> torch.Tensor:
-    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype``."""
+def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights,
+                        add: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add)."""
     E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
@@ -77,7 +90,7 @@ def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
         gate_up = xf[tok] @ w13.T  # [n, 2I]
         h = F.silu(gate_up[:, :I]) * gate_up[:, I:]  # [n, I]
         out.index_add_(0, tok, (h @ w2.T) * topk_weights[tok, slot, None])
-    return out.to(x.dtype)
+    return out.to(x.dtype) if add is None else out.to(x.dtype) + add
 
 
 def random_int4_experts(E: int, H: int, I: int, device="cuda", generator: torch.Generator | None = None):
@@ -95,15 +108,18 @@ def random_int4_experts(E: int, H: int, I: int, device="cuda", generator: torch.
 
 
 def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
-              w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Routed experts over INT4 weights; ``x [T, H]`` -> ``[T, H]`` in ``x.dtype``.
+              w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts over INT4 weights; ``x [T, H]`` -> ``[T, H]`` in ``x.dtype`` (plus ``add [T, H]`` if given).
 
     ``w13_packed [E, 2I, H/8]`` int32, ``w13_scale [E, 2I, H/g]`` bf16, ``w2_packed [E, H, I/8]`` int32,
     ``w2_scale [E, H, I/g]`` bf16, ``topk_ids [T, k]`` int64 (-1 = skip), ``topk_weights [T, k]`` fp32.
     """
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
+        raise ValueError(f"add must be {x.dtype} {tuple(x.shape)} like x, got {add.dtype} {tuple(add.shape)}")
     if x.is_cuda:
-        return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
-    return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+        return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
+    return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
 
 
 @functools.cache
@@ -137,43 +153,78 @@ def _tiles_per_block(n_tiles: int, k_stages: int, busy_passes: int, sm_count: in
     return math.ceil(n_tiles / math.ceil(n_tiles / tpb))  # even out the blocks of a pass
 
 
-def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights,
+def _choose_variant(E: int, H: int, I: int, slots: int) -> str:
+    """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards)."""
+    if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
+        return SKINNY
+    # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
+    # N tiles halve the activation re-reads (each tile stages its rows' activations again).
+    return "m16n1" if slots <= 8 * E else "m32n2" if I % 128 == 0 else "m32n1"
+
+
+def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
                     variant: str | None = None) -> torch.Tensor:
-    """The CUDA path; ``variant`` (a ``VARIANTS`` key) overrides the choice by shape (benchmarks sweep it)."""
+    """The CUDA path; ``variant`` (a ``VARIANTS`` key or ``SKINNY``) overrides the choice by shape (benchmarks
+    sweep it)."""
     from kdray.kernels.cuda_module import launch
 
     E, H, I, group = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
     T, k = topk_ids.shape
     x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
-    _check_cuda(x, dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
-                        topk_ids=topk_ids, topk_weights=topk_weights), E, H, I, k, group)
+    operands = dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
+                    topk_ids=topk_ids, topk_weights=topk_weights)
+    if add is not None:
+        operands["add"] = add = add if add.is_contiguous() and add.data_ptr() % 16 == 0 else add.clone()
+    _check_cuda(x, operands, E, H, I, k, group)
     dev, i32 = x.device, np.int32
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     if T == 0:
         return out
     sms, slots = _sm_count(dev.index), T * k
-    # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win on K2 shapes (H200 sweep:
-    # T <= 256 at E = 384); with more rows, wider N tiles halve the activation re-reads (each tile stages its
-    # rows' activations again).
-    variant = variant or ("m16n1" if slots <= 8 * E else "m32n2" if I % 128 == 0 else "m32n1")
+    variant = variant or _choose_variant(E, H, I, slots)
     if variant == "m32n2" and I % 128:
         raise ValueError(f"variant m32n2 needs I % 128 == 0, got I={I}")
-    mt, nt, stages = VARIANTS[variant]
-    bn = 128 * nt
+    if variant == SKINNY and (H % 128 or I % 128):
+        raise ValueError(f"the skinny path needs H and I multiples of 128, got H={H}, I={I}")
+    mt = SKINNY_ROWS if variant == SKINNY else VARIANTS[variant][0]
     max_passes = min(E, slots) + slots // mt  # sum over experts of ceil(rows_e / mt) never exceeds this
     sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)  # sorted row -> t * k + j
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)  # [0, 0]: count; (e, row0, rows, 0)
-    # Activations in the GEMMs' k order, rows padded to a multiple of 128 (the padding must read as zero).
-    x_perm = torch.empty(T, _round128(H), dtype=torch.bfloat16, device=dev)  # written whole by moe_prep
-    h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, _round128(I), dtype=torch.bfloat16, device=dev)
     acc = torch.empty(T, H, dtype=torch.float32, device=dev)  # weighted sum over the k experts
+    # The tile path reads activations in the GEMMs' k order, rows padded to a multiple of 128 (the padding must
+    # read as zero); the skinny path reads x and h as they are.
+    x_perm = None if variant == SKINNY else torch.empty(T, _round128(H), dtype=torch.bfloat16, device=dev)
+    h_width = I if variant == SKINNY else _round128(I)
+    h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, h_width, dtype=torch.bfloat16, device=dev)
 
     # moe_prep: block 0 routes (1024 threads, 2E ints of shared memory); the others permute x (a thread per
     # 16-byte piece) and zero acc.
     perm_blocks = min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
     launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
-           (topk_ids, x, x_perm, acc, sorted_slot, passes, i32(T), i32(k), i32(E), i32(H), i32(mt)),
-           shared_mem=8 * E, device=dev)
+           (topk_ids, x, x_perm if x_perm is not None else 0, acc, sorted_slot, passes, i32(T), i32(k), i32(E),
+            i32(H), i32(mt)), shared_mem=8 * E, device=dev)
+    if variant == SKINNY:
+        launch("w4a16_moe", "moe_up_skinny", (max_passes, I // 16), (SKINNY_UP_THREADS,),
+               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I)), device=dev)
+        launch("w4a16_moe", "moe_down_skinny", (max_passes, math.ceil(H / SKINNY_DOWN_ROWS)), (SKINNY_DOWN_THREADS,),
+               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I)), device=dev)
+    else:
+        _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
+                    topk_weights, k, H, I, E, slots, max_passes, sms)
+    n4 = T * H // 4
+    launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
+           (acc, add if add is not None else 0, out, i32(n4)), device=dev)
+    return out
+
+
+def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
+                topk_weights, k, H, I, E, slots, max_passes, sms):
+    """The tile path's gate/up and down launches (``VARIANTS[variant]``)."""
+    from kdray.kernels.cuda_module import launch
+
+    dev, i32 = x_perm.device, np.int32
+    mt, nt, stages = VARIANTS[variant]
+    bn = 128 * nt
     # GEMMs: grid (pass, group of N tiles), 256 threads, `stages` of weights, scales and activations.
     smem = stages * (bn * KC // 2 + bn * KC // 16 + mt * KC * 2)
     busy = min(E, slots)
@@ -187,7 +238,3 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (THREADS,),
            (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(n_down),
             i32(tpb)), shared_mem=smem, device=dev)
-    n4 = T * H // 4
-    launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,), (acc, out, i32(n4)),
-           device=dev)
-    return out

@@ -3,6 +3,9 @@
 Prefill runs MLA in its plain form (keys and values expanded per head); verify steps run the absorbed
 form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
+On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
+roped key into the cache and ropes the queries, the absorbed projections are two batched GEMMs over
+``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output.
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import K2Config
+from kdray.kernels.mla_rope_cache import mla_rope_cache
+from kdray.kernels.moe_route import moe_route
+from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch
@@ -48,32 +54,40 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.heads, self.cfg.qk_head_dim)  # [T, Hl, nope + rope]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``W_UK [Hl, nope, kv_lora]`` and ``W_UV [Hl, v, kv_lora]`` from ``kv_b_proj``."""
+        """``W_UK [Hl, nope, kv_lora]`` and ``W_UV [Hl, v, kv_lora]``: views of ``kv_b_proj``'s weight."""
         c = self.cfg
         w = self.kv_b_proj.weight.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]``, cache ``[P, S, kv_lora + rope]`` (this layer) -> ``[T, hidden]``."""
-        c = self.cfg
-        q = self._queries(x)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [T, kv_lora]
-        q_pe = rotary(q_pe, cos, sin)  # [T, Hl, rope]
-        k_pe = rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # [T, rope]
-        cache.view(-1, c.kv_cache_dim)[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+        """x ``[T, hidden]``, cache ``[P, S, kv_lora + rope]`` (this layer) -> ``[T, hidden]``.
+
+        ``cos``/``sin`` ``[T, rope/2]`` come from ``rotary`` (DeepSeek's interleaved rope, applied here by
+        ``mla_rope_cache``)."""
+        c, T = self.cfg, x.shape[0]
+        nope, L = c.qk_nope_head_dim, c.kv_lora_rank
+        q = self._queries(x)  # [T, Hl, nope + rope]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
+        rows = cache.view(-1, c.kv_cache_dim)  # [P * S, kv_lora + rope]
         if batch.is_prefill:
-            out = self._plain(q_nope, q_pe, latent, k_pe, batch)
+            q_pe = q[..., nope:]
+            mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q_pe, q_pe, rows,
+                           batch.slot_mapping)
+            latent, k_pe = rows[batch.slot_mapping].split([L, c.qk_rope_head_dim], dim=-1)  # as cached
+            out = self._plain(q[..., :nope], q_pe, latent, k_pe, batch)
         else:
+            q_attn = torch.empty(T, self.heads, c.kv_cache_dim, dtype=q.dtype, device=q.device)  # [T, Hl, L + rope]
+            mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q[..., nope:],
+                           q_attn[..., L:], rows, batch.slot_mapping)
             w_uk, w_uv = self._absorbed_weights()
-            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, Hl, kv_lora]
-            o_latent = mla_tree_attention(torch.cat([q_latent, q_pe], dim=-1).contiguous(), cache, batch.block_table,
-                                          batch.prefix_lens, batch.cu_q, batch.tree_mask, c.softmax_scale,
-                                          c.kv_lora_rank)  # [T, Hl, kv_lora]
-            out = torch.einsum("thc,hvc->thv", o_latent, w_uv)  # [T, Hl, v]
-        return self.o_proj(out.reshape(x.shape[0], self.heads * c.v_head_dim))
+            # [Hl, T, nope] x [Hl, nope, kv_lora] -> [Hl, T, kv_lora], written into q_attn's latent part
+            torch.bmm(q[..., :nope].transpose(0, 1), w_uk, out=q_attn[..., :L].transpose(0, 1))
+            o_latent = mla_tree_attention(q_attn, cache, batch.block_table, batch.prefix_lens, batch.cu_q,
+                                          batch.tree_mask, c.softmax_scale, L)  # [T, Hl, kv_lora]
+            out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
+            torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))  # [Hl, T, v]
+        return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))
 
     def _plain(self, q_nope, q_pe, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
         """Causal attention per prompt with keys and values expanded per head -> ``[T, Hl, v]``."""
@@ -95,26 +109,6 @@ class MLAttention(nn.Module):
         names = ["q_proj"] if self.cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
         for name in names + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]:
             getattr(self, name).load(reader, f"{prefix}.{name}.weight")
-
-
-def route(logits: torch.Tensor, bias: torch.Tensor, cfg: K2Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid routing: experts chosen by biased scores (group-limited), weighted by unbiased ones.
-
-    logits ``[T, E]`` fp32 -> (ids ``[T, k]`` int64, weights ``[T, k]`` fp32).
-    """
-    scores = logits.sigmoid()
-    choice = scores + bias
-    if cfg.n_group > 1:
-        T, E = choice.shape
-        grouped = choice.view(T, cfg.n_group, E // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, 1.0)
-        choice = grouped.masked_fill(keep.unsqueeze(-1) == 0, 0.0).view(T, E)
-    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * cfg.routed_scaling_factor
 
 
 def dense_experts(x, w13, w2, ids, weights) -> torch.Tensor:
@@ -154,7 +148,7 @@ class MoE(nn.Module):
         else:
             self.i0, i1 = shard_range(I, group, "moe_intermediate_size")
             self.e0, self.experts, self.inner = 0, E, i1 - self.i0
-        self.gate = nn.Parameter(torch.empty(E, H, dtype=torch.float32), requires_grad=False)  # router [E, H]
+        self.gate = nn.Parameter(torch.empty(E, H, dtype=dtype), requires_grad=False)  # router [E, H]
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         El, Il = self.experts, self.inner
         q = cfg.quantization
@@ -173,16 +167,24 @@ class MoE(nn.Module):
         self.shared = (GatedMLP(H, I * cfg.n_shared_experts, dtype, group) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(F.linear(x.float(), self.gate), self.e_score_correction_bias, self.cfg)  # [T, k]
-        if self.ep:
-            local = (ids >= self.e0) & (ids < self.e0 + self.experts)
-            ids = torch.where(local, ids - self.e0, torch.full_like(ids, -1))
-        if self.cfg.quantization is None:
-            routed = dense_experts(x, self.w13, self.w2, ids, weights)
+        """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``, one all-reduce over the group."""
+        cfg = self.cfg
+        if x.is_cuda and x.dtype != torch.float32:
+            logits = torch.mm(x, self.gate.t(), out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
         else:
-            routed = w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, ids, weights)
-        routed = self.group.all_reduce(routed) if self.group.size > 1 else routed
-        return routed + self.shared(x) if self.shared is not None else routed
+            logits = F.linear(x.float(), self.gate.float())
+        ids, weights = moe_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                                 cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                                 (self.e0, self.experts) if self.ep else None)  # [T, k] each
+        shared = None
+        if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
+            shared = F.linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
+        if self.cfg.quantization is None:
+            out = dense_experts(x, self.w13, self.w2, ids, weights)
+            out = out if shared is None else out + shared
+        else:
+            out = w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, ids, weights, shared)
+        return self.group.all_reduce(out) if self.group.size > 1 else out
 
     def load(self, reader: CheckpointReader, prefix: str):
         cfg, H, I = self.cfg, self.cfg.hidden_size, self.cfg.moe_intermediate_size

@@ -13,23 +13,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import Llama3Scaling, YarnScaling
+from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.parallel import SINGLE, shard_range
 
 
 class RMSNorm(nn.Module):
-    """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as HF computes it."""
+    """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as HF computes it.
+
+    ``norm(x)`` returns the normalised ``x``; ``norm(x, residual)`` adds first and returns
+    ``(norm(x + residual), x + residual)`` (one fused kernel on a GPU)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rmsnorm(x, self.weight, self.eps)
+        return add_rmsnorm(x, residual, self.weight, self.eps)
 
     def load(self, reader: CheckpointReader, name: str):
         self.weight.copy_(reader.get(name, tuple(self.weight.shape)))
@@ -208,8 +213,10 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, h, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """h ``[T, dim]`` (the residual stream) -> ``[T, dim]``; the attention's residual add is fused into the
+        post-attention norm."""
+        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache), h)
+        return h + self.mlp(x)
 
     def load(self, reader: CheckpointReader, prefix: str):
         for name in ("input_layernorm", "post_attention_layernorm"):

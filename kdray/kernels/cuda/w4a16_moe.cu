@@ -110,14 +110,14 @@ __device__ int block_exclusive_scan(int v, int* sums, int* total) {
 // Block 0 sorts the T*k (token, slot) pairs by expert into sorted_slot (-1 / out-of-range ids dropped) and
 // writes passes[0].x = pass count, passes[1 + p] = (expert, first sorted row, rows <= mt, 0).
 // Blocks 1..P, a thread per 16-byte piece: x_perm [T, Hp] (Hp = H rounded up to 128) = x in the logical k
-// order, zero past H; acc = 0.
+// order, zero past H (skipped when x_perm is null: the skinny path reads x as it is); acc = 0.
 extern "C" __global__ void __launch_bounds__(1024) moe_prep(
     const long long* __restrict__ topk_ids, const uint4* __restrict__ x, uint4* __restrict__ x_perm,
     float4* __restrict__ acc, int* __restrict__ sorted_slot, int4* __restrict__ passes, int T, int k, int E,
     int H, int mt) {
   if (blockIdx.x > 0) {
     const int pieces = (H + 127) / 128 * 16, stride = (gridDim.x - 1) * blockDim.x;  // 16-byte pieces per row
-    for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < T * pieces; i += stride) {
+    for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; x_perm != nullptr && i < T * pieces; i += stride) {
       // Piece u = 2 s + h of a chunk holds, as word c, k (32c + 8(s>>1) + 2(s&1) + h, +4) of the chunk: half h of
       // words (s & 1) and (s & 1) + 2 of the chunk's 8-group 4c + (s >> 1).
       const int t = i / pieces, p = i % pieces, u = p & 15, s = u >> 1;
@@ -396,10 +396,210 @@ MOE_GEMMS(m16n1, 16, 1, 4)  // T <= 16
 MOE_GEMMS(m32n1, 32, 1, 3)  // a few rows per expert
 MOE_GEMMS(m32n2, 32, 2, 2)  // many rows per expert: BN = 256 halves the activation re-reads per weight byte
 
-// out = bf16(acc), 4 values per thread. Launch: any 1-D grid of 256-thread blocks (grid-stride).
-extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, uint2* __restrict__ out, int n4) {
+// out = bf16(acc), or bf16(float(bf16(acc)) + float(add)) (torch's rounding of `routed + add`), 4 values per
+// thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.
+extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, const uint2* __restrict__ add,
+                                        uint2* __restrict__ out, int n4) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += gridDim.x * blockDim.x) {
     const float4 v = acc[i];
-    out[i] = make_uint2(bf2_bits(__floats2bfloat162_rn(v.x, v.y)), bf2_bits(__floats2bfloat162_rn(v.z, v.w)));
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    if (add != nullptr) {
+      const uint2 a = add[i];
+      const float2 al = __bfloat1622float2(bits_bf2(a.x)), ah = __bfloat1622float2(bits_bf2(a.y));
+      const float2 rl = __bfloat1622float2(lo), rh = __bfloat1622float2(hi);
+      lo = __floats2bfloat162_rn(rl.x + al.x, rl.y + al.y);
+      hi = __floats2bfloat162_rn(rh.x + ah.x, rh.y + ah.y);
+    }
+    out[i] = make_uint2(bf2_bits(lo), bf2_bits(hi));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Skinny path (few rows per expert): a pass is one expert's <= 8 rows, and the mma is swapped: 16 weight rows are
+// the A operand (dequantized in registers straight from 16-byte global loads, no shared-memory staging) and the
+// pass's rows the 8 columns of B (read from x or h as they are and permuted in registers), so each weight byte
+// crosses HBM once and feeds one mma. Lane (r, c) of a warp loads the 32 k [32 (4 ch + c), +32) of chunk ch of
+// weight rows r and r + 8 (one group: one scale) and the same 32 k of row r of B; pair p of word q of its weight
+// piece (nibbles p, p + 4) meets the B pair (8q + p, 8q + p + 4), the k-slot mapping of the tensor-core path above.
+
+// 16-byte load of streamed weights: not kept in L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// B fragment of k-step 2q + j of a chunk from the lane's 16-byte piece q of its B row:
+// (k 2j, 2j + 4) and (2j + 1, 2j + 5) of the piece.
+__device__ __forceinline__ void b_frag(uint4 v, int j, u32& b0, u32& b1) {
+  const u32 lo = j ? v.y : v.x, hi = j ? v.w : v.z;
+  b0 = __byte_perm(lo, hi, 0x5410);
+  b1 = __byte_perm(lo, hi, 0x7632);
+}
+
+// acc[m] += W_m (16 rows: pieces w[m][0] for row r, w[m][1] for row r + 8, scales sc[m][*]) x B over one 128-k chunk.
+template <int M>
+__device__ __forceinline__ void skinny_chunk(float (*acc)[4], const uint4 (*w)[2], const __nv_bfloat16 (*sc)[2],
+                                             const uint4* xv) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    u32 a[M][2][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = w[m][h];
+        dequant_word(q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, __bfloat162bfloat162(sc[m][h]), a[m][h]);
+      }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      u32 b0, b1;
+      b_frag(xv[q], j, b0, b1);
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+        mma_bf16(acc[m], a[m][0][2 * j], a[m][1][2 * j], a[m][0][2 * j + 1], a[m][1][2 * j + 1], b0, b1);
+    }
+  }
+}
+
+#define SK_UP_WARPS 16  // warps of a gate/up block, splitting K
+#define SK_DOWN_WARPS 8  // warps of a down block, 32 output rows each
+
+// Gate/up: h[row0 + n, c0 + i] = silu(gate) * up for the pass's rows n < rows and the block's 16 columns
+// [c0, c0 + 16) of h (gate rows c0 + i and up rows I + c0 + i of w13). The warps split K = H into 128-k chunks
+// (warp w: chunks w, w + 16, ...) with the next chunk's loads issued before the current chunk's mma; the block
+// sums the warps' partial tiles in shared memory.
+// Launch: grid (max_passes, I / 16), block 32 * SK_UP_WARPS; H % 128 == 0, group 32. h rows are natural k order.
+extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
+    const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
+    const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
+    __nv_bfloat16* __restrict__ h, int k, int H, int I) {
+  __shared__ float part[SK_UP_WARPS][2][4][32];
+  if (blockIdx.x >= passes[0].x) return;
+  const int4 pass = passes[1 + blockIdx.x];
+  const int e = pass.x, row0 = pass.y, rows = pass.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+  const int c0 = blockIdx.y * 16, groups = H / 32, chunks = H / 128;
+  const uint4* wq = reinterpret_cast<const uint4*>(w13_packed);
+  const size_t gate = (size_t)e * 2 * I + c0 + r;  // weight row of tile row r (gate); + 8, + I, + I + 8 the others
+  const size_t wrow[2][2] = {{gate, gate + 8}, {gate + I, gate + I + 8}};
+  const uint4* xr = r < rows ? reinterpret_cast<const uint4*>(x) + (size_t)(sorted_slot[row0 + r] / k) * (H / 8)
+                             : nullptr;
+  float acc[2][4] = {};
+  uint4 w[2][2], xv[4];
+  __nv_bfloat16 sc[2][2];
+  auto load = [&](int ch, uint4 (*w_)[2], __nv_bfloat16 (*s_)[2], uint4* x_) {
+    const int g = 4 * ch + c;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        w_[m][hh] = ld_stream(wq + wrow[m][hh] * groups + g);
+        s_[m][hh] = w13_scale[wrow[m][hh] * groups + g];
+      }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) x_[q] = xr != nullptr ? __ldg(xr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  if (warp < chunks) load(warp, w, sc, xv);
+  for (int ch = warp; ch < chunks; ch += SK_UP_WARPS) {
+    uint4 wn[2][2], xn[4];
+    __nv_bfloat16 sn[2][2];
+    const bool more = ch + SK_UP_WARPS < chunks;
+    if (more) load(ch + SK_UP_WARPS, wn, sn, xn);
+    skinny_chunk<2>(acc, w, sc, xv);
+    if (more) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          w[m][hh] = wn[m][hh];
+          sc[m][hh] = sn[m][hh];
+        }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) xv[q] = xn[q];
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) part[warp][m][i][lane] = acc[m][i];
+  __syncthreads();
+  if (threadIdx.x < 128) {  // C element i of lane l: tile row (l >> 2) + 8 (i >> 1), column 2 (l & 3) + (i & 1)
+    const int l = threadIdx.x & 31, i = threadIdx.x >> 5, n = 2 * (l & 3) + (i & 1);
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int v = 0; v < SK_UP_WARPS; ++v) {
+      g += part[v][0][i][l];
+      u += part[v][1][i][l];
+    }
+    if (n < rows)
+      h[(size_t)(row0 + n) * I + c0 + (l >> 2) + 8 * (i >> 1)] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+// Down: acc[token, n] += topk_weight * (W2[e] h)[n] for the pass's rows; warp w owns output rows
+// n0 = 256 blockIdx.y + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through shared memory so
+// a lane adds 4 consecutive outputs of one row with one red.global.add.v4.f32.
+// Launch: grid (max_passes, ceil(H / 256)), block 32 * SK_DOWN_WARPS; H % 16 == 0, I % 128 == 0, group 32.
+extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
+    const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
+    const int* __restrict__ sorted_slot, const int4* __restrict__ passes, const float* __restrict__ topk_weights,
+    float* __restrict__ acc_out, int k, int H, int I) {
+  __shared__ float tile[SK_DOWN_WARPS][16 * 8];
+  if (blockIdx.x >= passes[0].x) return;
+  const int4 pass = passes[1 + blockIdx.x];
+  const int e = pass.x, row0 = pass.y, rows = pass.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+  const int n0 = blockIdx.y * 32 * SK_DOWN_WARPS + 32 * warp, groups = I / 32, chunks = I / 128;
+  if (n0 >= H) return;
+  const bool tile1 = n0 + 16 < H;
+  const uint4* wq = reinterpret_cast<const uint4*>(w2_packed);
+  const size_t base = (size_t)e * H + n0 + r;
+  const size_t wrow[2][2] = {{base, base + 8}, {base + 16, base + 24}};
+  const uint4* hr = r < rows ? reinterpret_cast<const uint4*>(h) + (size_t)(row0 + r) * (I / 8) : nullptr;
+  float acc[2][4] = {};
+#pragma unroll 2
+  for (int ch = 0; ch < chunks; ++ch) {
+    const int g = 4 * ch + c;
+    uint4 w[2][2], xv[4];
+    __nv_bfloat16 sc[2][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const bool ok = m == 0 || tile1;
+        w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] * groups + g) : make_uint4(0u, 0u, 0u, 0u);
+        sc[m][hh] = ok ? w2_scale[wrow[m][hh] * groups + g] : __float2bfloat16(0.f);
+      }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xv[q] = hr != nullptr ? __ldg(hr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
+    skinny_chunk<2>(acc, w, sc, xv);
+  }
+  // Lane l adds outputs 4 (l >> 3) .. + 3 of the tile for pass row l & 7.
+  const int n = lane & 7, quad = lane >> 3;
+  int token = -1;
+  float wgt = 0.f;
+  if (n < rows) {
+    const int slot = sorted_slot[row0 + n];
+    token = slot / k;
+    wgt = topk_weights[slot];
+  }
+  float* t = tile[warp];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    if (m == 1 && !tile1) break;
+    t[r * 8 + 2 * c] = acc[m][0];
+    t[r * 8 + 2 * c + 1] = acc[m][1];
+    t[(r + 8) * 8 + 2 * c] = acc[m][2];
+    t[(r + 8) * 8 + 2 * c + 1] = acc[m][3];
+    __syncwarp();
+    if (token >= 0) {
+      const float4 v = make_float4(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n],
+                                   wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
+      red_add4(acc_out + (size_t)token * H + n0 + 16 * m + 4 * quad, v);
+    }
+    __syncwarp();
   }
 }

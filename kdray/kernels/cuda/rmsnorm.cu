@@ -1,0 +1,61 @@
+// RMSNorm of each row, optionally after a residual add; see kernels/rmsnorm.py.
+// out = w * to_t(s * rsqrt(mean(s^2) + eps)), s = x (rmsnorm) or s = to_t(x + residual), written to
+// residual_out (add_rmsnorm). Rounding follows the torch reference: the sum and the normalised value are
+// cast to the element type before the next step.
+// Launch: grid (rows), block (threads): threads a multiple of 32, threads * NV * VEC >= dim, dim % VEC == 0,
+// every row start VEC-element aligned. VEC elements per access (16 bytes for bf16 rows of 8).
+#include "dtype.cuh"
+
+#ifndef VEC
+#define VEC 8
+#endif
+#define NV 4  // vectors per thread at most
+
+struct __align__(VEC * sizeof(elem_t)) vec_t {
+  elem_t v[VEC];
+};
+
+extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_stride,       // [rows, dim]
+                                   const elem_t* __restrict__ residual, long long r_stride,  // [rows, dim] or null
+                                   elem_t* __restrict__ residual_out,                        // [rows, dim] contiguous
+                                   const elem_t* __restrict__ weight,                        // [dim]
+                                   elem_t* __restrict__ out,                                 // [rows, dim] contiguous
+                                   int dim, float eps) {
+  const long long row = blockIdx.x;
+  const int nvec = dim / VEC;
+  const vec_t* xr = reinterpret_cast<const vec_t*>(x + row * x_stride);
+  float s[NV][VEC];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = threadIdx.x + i * blockDim.x;
+    if (j < nvec) {
+      vec_t a = xr[j];
+      if (residual != nullptr) {
+        const vec_t b = reinterpret_cast<const vec_t*>(residual + row * r_stride)[j];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) a.v[e] = to_t(to_f(a.v[e]) + to_f(b.v[e]));
+        reinterpret_cast<vec_t*>(residual_out + row * dim)[j] = a;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        s[i][e] = to_f(a.v[e]);
+        ss += s[i][e] * s[i][e];
+      }
+    }
+  }
+  const float r = rsqrtf(block_sum(ss) / dim + eps);
+  const vec_t* wv = reinterpret_cast<const vec_t*>(weight);
+  vec_t* o = reinterpret_cast<vec_t*>(out + row * dim);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = threadIdx.x + i * blockDim.x;
+    if (j < nvec) {
+      const vec_t w = wv[j];
+      vec_t y;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) y.v[e] = to_t(to_f(w.v[e]) * to_f(to_t(s[i][e] * r)));
+      o[j] = y;
+    }
+  }
+}

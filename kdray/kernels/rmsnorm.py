@@ -1,0 +1,81 @@
+"""RMSNorm, alone or fused with the residual add before it: ``rmsnorm`` and ``add_rmsnorm``.
+
+``rmsnorm(x) = weight * (x * rsqrt(mean(x^2) + eps))``, normalised in fp32 and cast to ``x.dtype`` before the
+weight multiplies it (as HF computes it). ``add_rmsnorm(x, residual)`` returns ``(rmsnorm(s), s)`` with
+``s = x + residual``: the pre-norm decoder layer's ``h = h + f(...); y = norm(h)`` in one pass, as vLLM's and
+SGLang's fused add-RMSNorm do.
+
+CUDA tensors of float32 / bfloat16 / float16 (weight of the same dtype) run ``cuda/rmsnorm.cu``: one block per
+row, 16-byte accesses, on torch's current stream, no host sync (CUDA-graph capturable). Other inputs, CPU
+tensors and anything autograd must differentiate (drafter training) run the torch reference below.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kdray.kernels.cuda_module import as_rows, launch, vector_elems
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_VECS = 4 * 1024  # vectors per row: 1024 threads x NV = 4 in the .cu
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[..., dim]`` -> ``[..., dim]``: the unfused torch form."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x ``[..., dim]``, weight ``[dim]`` -> ``[..., dim]``."""
+    _check(x, weight)
+    if not _cuda_ok(x, weight):
+        return rmsnorm_reference(x, weight, eps)
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual ``[..., dim]``, weight ``[dim]`` -> (``rmsnorm(x + residual)``, ``x + residual``)."""
+    _check(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if not (_cuda_ok(x, weight) and residual.device == x.device and residual.dtype == x.dtype
+            and not (torch.is_grad_enabled() and residual.requires_grad)):
+        s = x + residual
+        return rmsnorm_reference(s, weight, eps), s
+    return _launch(x, residual, weight, eps)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor):
+    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x [..., dim] and weight [dim] disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
+
+
+def _cuda_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.device == x.device
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def _launch(x, residual, weight, eps):
+    dim = x.shape[-1]
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else None
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., dim]
+    res_out = torch.empty_like(out) if residual is not None else None
+    ins = [x2, weight, out.view(-1, dim)] + ([r2, res_out.view(-1, dim)] if residual is not None else [])
+    vec = vector_elems(dim, ins)
+    nvec = dim // vec
+    if nvec > MAX_VECS:
+        raise ValueError(f"rmsnorm rows of {dim} elements exceed the kernel's {MAX_VECS * vec} (1024 threads x 4 "
+                         f"accesses of {vec}); normalise in chunks or extend NV in cuda/rmsnorm.cu")
+    rows = x2.shape[0]
+    if rows:
+        threads = min(1024, (nvec + 31) // 32 * 32)
+        launch("rmsnorm", "rmsnorm", (rows,), (threads,),
+               (x2, np.int64(x2.stride(0)), 0 if r2 is None else r2, np.int64(0 if r2 is None else r2.stride(0)),
+                0 if res_out is None else res_out, weight, out, np.int32(dim), np.float32(eps)),
+               device=x.device, defines=(("DTYPE", DTYPES[x.dtype]), ("VEC", vec)))
+    return out, res_out

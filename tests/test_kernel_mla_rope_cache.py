@@ -1,0 +1,101 @@
+"""mla_rope_cache: the reference equals the unfused MLA code (CPU), the CUDA kernel the reference (GPU)."""
+import pytest
+import torch
+from gpu_checks import poison_allocator
+
+from kdray.config import YarnScaling
+from kdray.kernels.mla_rope_cache import mla_rope_cache, mla_rope_cache_reference
+from kdray.model.layers import RMSNorm, Rotary
+
+
+def inputs(T, H, L, R, rows, dtype, device="cpu", seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    rotary = Rotary(R, 50000.0, YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0,
+                                            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0), interleaved=True).to(device)
+    positions = torch.randint(0, 100000, (T,), device=device, generator=g)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    wide = torch.randn(T, L + R + 24, device=device, generator=g).to(dtype)  # kv_a as a strided view
+    kv_a = wide[:, 3:3 + L + R]
+    weight = (1 + 0.1 * torch.randn(L, device=device, generator=g)).to(dtype)
+    q = torch.randn(T, H, 128 + R, device=device, generator=g).to(dtype)  # [T, H, nope + rope]
+    slots = torch.randperm(rows, device=device, generator=g)[:T]
+    return rotary, cos, sin, kv_a, weight, q, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_equals_unfused_code(dtype):
+    T, H, L, R, rows = 9, 4, 32, 8, 64
+    rotary, cos, sin, kv_a, weight, q, slots = inputs(T, H, L, R, rows, dtype)
+    norm = RMSNorm(L, 1e-6, dtype)
+    norm.weight.data.copy_(weight)
+    # The MLA code this op replaces.
+    latent, k_pe = kv_a.split([L, R], dim=-1)
+    latent = norm(latent)
+    q_pe = rotary(q[..., 128:], cos, sin)
+    k_pe = rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+    cache = torch.zeros(rows, L + R, dtype=dtype)
+    cache[slots] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+
+    ours = torch.zeros(rows, L + R, dtype=dtype)
+    q_out = torch.empty(T, H, R, dtype=dtype)
+    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q_out, ours, slots)
+    assert torch.equal(ours, cache) and torch.equal(q_out, q_pe)
+    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], ours, slots)  # in place
+    assert torch.equal(q[..., 128:], q_pe)
+
+
+def test_shape_errors_are_clear():
+    _, cos, sin, kv_a, weight, q, slots = inputs(3, 2, 32, 8, 16, torch.float32)
+    cache = torch.zeros(16, 40)
+    with pytest.raises(ValueError, match="q_pe and q_out"):
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 120:], q[..., 120:], cache, slots)
+    with pytest.raises(ValueError, match="cache_rows"):
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache[:, :39], slots)
+    with pytest.raises(ValueError, match="cos"):
+        mla_rope_cache(kv_a, weight, 1e-6, cos[:2], sin, q[..., 128:], q[..., 128:], cache, slots)
+
+
+CASES = [  # T, H, L, R, dtype
+    (1, 8, 512, 64, torch.bfloat16),  # K2 TP8 decode
+    (65, 8, 512, 64, torch.bfloat16),
+    (300, 16, 512, 64, torch.bfloat16),
+    (7, 1, 512, 64, torch.bfloat16),
+    (37, 4, 32, 8, torch.float32),  # k2-tiny
+    (11, 3, 96, 16, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,L,R,dtype", CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cuda_matches_reference(T, H, L, R, dtype, in_place):
+    """Against the reference in fp32 on the same inputs: the kernel rounds each output once, while torch in 16 bits
+    rounds x1 * cos and x2 * sin before subtracting them (off by several ulps where they nearly cancel)."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    for seed in range(2):  # fresh inputs each round
+        _, cos, sin, kv_a, weight, q, slots = inputs(T, H, L, R, 4 * T + 5, dtype, "cuda", seed)
+        cache = torch.full((4 * T + 5, L + R), float("nan"), dtype=dtype, device="cuda")
+        ref_cache, ref_q = cache.float(), q.float()
+        q_pe = q[..., 128:]
+        poison_allocator()
+        q_out = q_pe if in_place else torch.empty(T, H, R, dtype=dtype, device="cuda")
+        q_nope = q[..., :128].clone()
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q_pe, q_out, cache, slots)
+        mla_rope_cache_reference(kv_a.float(), weight.float(), 1e-6, cos.float(), sin.float(), ref_q[..., 128:],
+                                 ref_q[..., 128:], ref_cache, slots)
+        written = torch.zeros(cache.shape[0], dtype=torch.bool, device="cuda")
+        written[slots] = True
+        assert cache[~written].isnan().all()  # rows not in slot_mapping untouched
+        torch.testing.assert_close(cache[slots].float(), ref_cache[slots], **tol)
+        torch.testing.assert_close(q_out.float(), ref_q[..., 128:], **tol)
+        assert torch.equal(q[..., :128], q_nope)  # the nope part untouched
+
+
+@pytest.mark.gpu
+def test_cuda_skips_slots_outside_the_cache():
+    _, cos, sin, kv_a, weight, q, slots = inputs(4, 2, 512, 64, 8, torch.bfloat16, "cuda")
+    cache = torch.zeros(8, 576, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([0, -1, 8, 3], device="cuda")
+    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots)
+    assert cache[0].abs().sum() > 0 and cache[3].abs().sum() > 0
+    assert torch.equal(cache[[1, 2, 4, 5, 6, 7]], torch.zeros(6, 576, dtype=torch.bfloat16, device="cuda"))

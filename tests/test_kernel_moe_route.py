@@ -1,0 +1,84 @@
+"""moe_route: the reference equals the unfused routing code (CPU), the CUDA kernel the reference (GPU)."""
+import pytest
+import torch
+from gpu_checks import poison_allocator
+
+from kdray.kernels.moe_route import moe_route, moe_route_reference
+
+
+def unfused_route(logits, bias, k, n_group, topk_group, norm, scale, local):
+    """kdray.model.k2.route and MoE.forward's expert-parallel id mapping, as they were before the fused op."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, n_group, E // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        choice = grouped.masked_fill(keep.unsqueeze(-1) == 0, 0.0).view(T, E)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights * scale
+    if local is not None:
+        e0, n = local
+        inside = (ids >= e0) & (ids < e0 + n)
+        ids = torch.where(inside, ids - e0, torch.full_like(ids, -1))
+    return ids, weights
+
+
+def logits_and_bias(T, E, device="cpu", seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    # Non-negative bias keeps every choice above the 0 a masked group gets, so no exact ties decide the order.
+    return 2 * torch.randn(T, E, device=device, generator=g), 0.1 * torch.rand(E, device=device, generator=g)
+
+
+CASES = [  # T, E, k, n_group, topk_group, renormalize, local experts
+    (1, 384, 8, 1, 1, True, None),  # K2
+    (17, 384, 8, 1, 1, True, None),
+    (2080, 384, 8, 1, 1, True, None),
+    (33, 256, 8, 8, 4, True, None),  # DeepSeek-V3
+    (9, 8, 2, 2, 1, True, None),  # k2-tiny
+    (12, 64, 6, 4, 2, False, None),
+    (40, 384, 8, 1, 1, True, (96, 96)),  # expert parallelism: rank 1 of 4
+    (5, 1000, 32, 1, 1, True, None),
+    (3, 96, 1, 3, 2, True, (0, 50)),
+]
+
+
+@pytest.mark.parametrize("T,E,k,n_group,topk_group,norm,local", CASES)
+def test_reference_equals_unfused_code(T, E, k, n_group, topk_group, norm, local):
+    logits, bias = logits_and_bias(T, E)
+    ids, weights = moe_route(logits, bias, k, n_group, topk_group, norm, 2.827, local)
+    ref_ids, ref_weights = unfused_route(logits, bias, k, n_group, topk_group, norm, 2.827, local)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+
+
+def test_errors_are_clear():
+    logits, bias = logits_and_bias(3, 8)
+    with pytest.raises(ValueError, match="n_group"):
+        moe_route(logits, bias, 2, 3, 1)
+    with pytest.raises(TypeError, match="fp32"):
+        moe_route(logits.bfloat16(), bias, 2)
+    with pytest.raises(ValueError, match="bias"):
+        moe_route(logits, bias[:4], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,n_group,topk_group,norm,local", CASES)
+def test_cuda_matches_reference(T, E, k, n_group, topk_group, norm, local):
+    for seed in range(2):  # fresh inputs each round
+        logits, bias = logits_and_bias(T, E, "cuda", seed)
+        poison_allocator()
+        ids, weights = moe_route(logits, bias, k, n_group, topk_group, norm, 2.827, local)
+        ref_ids, ref_weights = moe_route_reference(logits, bias, k, n_group, topk_group, norm, 2.827, local)
+        assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (T, k)
+        same = (ids == ref_ids).all(1)
+        if not same.all():  # the kernel's fast sigmoid may order choices a few ulps apart otherwise: equal values
+            choice = (logits.sigmoid() + bias)[~same]
+            mine = moe_route(logits[~same], bias, k, n_group, topk_group, norm, 2.827)[0]
+            ref = moe_route_reference(logits[~same], bias, k, n_group, topk_group, norm, 2.827)[0]
+            torch.testing.assert_close(choice.gather(1, mine), choice.gather(1, ref), rtol=0, atol=1e-5)
+        assert (~same).sum() <= max(1, T // 100)
+        torch.testing.assert_close(weights[same], ref_weights[same], rtol=1e-5, atol=1e-6)

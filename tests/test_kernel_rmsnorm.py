@@ -1,0 +1,85 @@
+"""rmsnorm / add_rmsnorm: the reference equals the unfused layer code (CPU), the CUDA kernel the reference (GPU)."""
+import pytest
+import torch
+from gpu_checks import poison_allocator
+
+from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kdray.model.layers import RMSNorm
+
+
+def unfused_norm(x, weight, eps):
+    """RMSNorm.forward as it was before the fused op."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_equals_unfused_code(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 96, generator=g).to(dtype)
+    r = torch.randn(7, 3, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    assert torch.equal(rmsnorm(x, w, 1e-6), unfused_norm(x, w, 1e-6))
+    out, s = add_rmsnorm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r) and torch.equal(out, unfused_norm(r + x, w, 1e-5))
+
+
+def test_module_with_residual_returns_norm_and_sum():
+    norm = RMSNorm(32, 1e-6, torch.float32)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, h = torch.randn(5, 32), torch.randn(5, 32)
+    y, s = norm(x, h)
+    assert torch.equal(s, h + x) and torch.equal(y, norm(h + x))
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm(torch.randn(3, 8), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        add_rmsnorm(torch.randn(3, 8), torch.randn(2, 8), torch.ones(8), 1e-6)
+
+
+CASES = [  # leading shape, dim, dtype: ragged rows, odd dims (narrower accesses), K2's norms
+    ((1,), 7168, torch.bfloat16),
+    ((33,), 7168, torch.bfloat16),
+    ((2080,), 512, torch.bfloat16),
+    ((5, 8), 1536, torch.bfloat16),
+    ((17,), 100, torch.bfloat16),  # 4-element accesses
+    ((9,), 7, torch.bfloat16),  # single elements
+    ((3,), 30000, torch.bfloat16),  # several accesses per thread
+    ((257,), 7168, torch.float32),
+    ((6,), 96, torch.float16),
+]
+
+
+def _tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,dim,dtype", CASES)
+def test_cuda_matches_reference(lead, dim, dtype):
+    g = torch.Generator("cuda").manual_seed(dim + len(lead))
+    for _ in range(2):  # fresh inputs each round
+        x = torch.randn(*lead, dim, device="cuda", generator=g).to(dtype)
+        r = (3 * torch.randn(*lead, dim, device="cuda", generator=g)).to(dtype)
+        w = (1 + 0.1 * torch.randn(dim, device="cuda", generator=g)).to(dtype)
+        poison_allocator()
+        out = rmsnorm(x, w, 1e-6)
+        torch.testing.assert_close(out, unfused_norm(x, w, 1e-6), **_tol(dtype))
+        poison_allocator()
+        out, s = add_rmsnorm(x, r, w, 1e-5)
+        assert torch.equal(s, x + r)
+        torch.testing.assert_close(out, unfused_norm(x + r, w, 1e-5), **_tol(dtype))
+
+
+@pytest.mark.gpu
+def test_cuda_strided_rows():
+    """Rows of a wider tensor (the latent slice of kv_a, say) are read in place."""
+    g = torch.Generator("cuda").manual_seed(4)
+    wide = torch.randn(19, 576, device="cuda", generator=g).bfloat16()
+    x = wide[:, :512]
+    w = torch.rand(512, device="cuda", generator=g).bfloat16() + 0.5
+    poison_allocator()
+    torch.testing.assert_close(rmsnorm(x, w, 1e-6), unfused_norm(x, w, 1e-6), rtol=2 ** -7, atol=1e-3)
