@@ -37,7 +37,7 @@ SPEC = {"model": "k2-tiny", "drafter": "random", "spec": "ddtree", "budget": 64,
 def noop_us(llm: LLM, batch: int, tau: int, iters: int) -> list[float]:
     """Round trips of a no-op plan carrying ``batch`` sequences, answered with ``tau`` tokens each (us)."""
     runner = llm.engine.runner
-    plan = StepBatch(slots=list(range(batch)), roots=[7] * batch, prefix_lens=[1000 + k for k in range(batch)])
+    plan = StepBatch(slots=list(range(batch)), nodes=0)
     for _ in range(20):
         runner.noop(plan, tau)
     times = []

@@ -29,7 +29,8 @@ def add_setting_flags(parser: argparse.ArgumentParser, cls, title: str):
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        kind = next((t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)), str)
+        kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        kind = kinds[0] if len(kinds) == 1 else str  # a union (budget: a number or "auto") parses in the dataclass
         if kind is dict:  # structured settings (autoscaling_config) belong in a config file
             continue
         flag, default = "--" + f.name.replace("_", "-"), f.default

@@ -415,8 +415,9 @@ class SpecConfig:
     or ``ar`` (none). Derived from validated :class:`~kdray.engine.args.EngineArgs` and the drafter's block size."""
 
     mode: str
-    budget: int
+    budget: int  # draft nodes per sequence (with ``auto``: the most a step may verify)
     block_size: int
+    auto: bool = False  # each step's tree width chosen by the cost model (kdray.spec.budget)
 
     @property
     def depth(self) -> int:

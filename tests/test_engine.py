@@ -61,7 +61,7 @@ def make_engine(runner, num_pages=64, page_size=4, max_num_seqs=4, max_model_len
                           num_slots=max_num_seqs, max_pages_per_seq=-(-(max_model_len + spec.cache_slack) // page_size),
                           target_layer_ids=(), cuda_graphs=False)
     scheduler = Scheduler(PagePool(num_pages, page_size), layout, max_tokens_per_step)
-    return Engine(runner, scheduler, tokenizer, max_model_len, VOCAB, eos, "fake")
+    return Engine(runner, scheduler, tokenizer, max_model_len, VOCAB, eos, "fake", spec.nodes)
 
 
 def run(engine, prompts, params):

@@ -45,7 +45,7 @@ class DrafterWorker(Worker):
 
     def step(self, batch: StepBatch) -> dict:
         r = self.runner
-        tree, timer = r.propose_step(batch)
+        tree, masses, timer = r.propose_step(batch)
         self.link.broadcast(tree, self.link.rank)
         rows, path = r.padded(len(batch.slots)), r.spec.depth + 1
         packed = self._receive(rows, 2 + path, dtype=torch.int64)  # [Bp, 2 + (1+L)]
@@ -53,4 +53,5 @@ class DrafterWorker(Worker):
         commit = r.timer()  # starts after the receives on the stream: the shards' work is not counted
         r.absorb_step(batch, packed, features)
         commit.end("commit")
-        return {"seconds": add_seconds(timer.seconds, commit.seconds)}
+        return {"seconds": add_seconds(timer.seconds, commit.seconds),
+                "masses": masses[:len(batch.slots)].tolist() if masses is not None else None}

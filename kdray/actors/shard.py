@@ -51,10 +51,10 @@ class ShardWorker(Worker):
         the accepted paths' context features back to the drafter."""
         r, seconds = self.runner, {}
         if self.link is None:  # AR: the root alone, built here
-            tree, timer = r.propose_step(batch)
+            tree, _, timer = r.propose_step(batch)
             seconds = timer.seconds
         else:
-            tree = torch.empty(r.padded(len(batch.slots)), packed_width(r.spec.nodes), dtype=torch.int32,
+            tree = torch.empty(r.padded(len(batch.slots)), packed_width(batch.nodes), dtype=torch.int32,
                                device=self.device)  # [Bp, packed]
             self.link.broadcast(tree, self.drafter_rank)
         packed, features, timer = r.settle_step(batch, tree)

@@ -5,12 +5,13 @@ A step plan (msgpack) is ``{"op", ...}``:
 
 - ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts``, ``pages``,
   ``sampling`` = ``[[temperature, top_k, top_p], ...]``, ``seeds``);
-- ``step``: the slots of a :class:`~kdray.engine.step.StepBatch` (each actor keeps every slot's state);
+- ``step``: the ``slots`` and ``nodes`` of a :class:`~kdray.engine.step.StepBatch` (each actor keeps every slot's
+  state);
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
 Shard 0 answers ``prefill`` with ``{"tokens"}``, ``step`` with ``{"tokens", "seconds"}``; the drafter answers
-``step`` with ``{"seconds"}`` (its stages); other actors answer nothing unless they fail
+``step`` with ``{"seconds", "masses"}`` (its stages, and its trees' masses for ``budget="auto"``); other actors answer nothing unless they fail
 (``{"error": traceback}``). The loop ends when the engine closes the channel.
 """
 from __future__ import annotations
@@ -130,7 +131,7 @@ class Worker(ABC):
         if op == "prefill":
             return self.prefill(prefill_batch(plan))
         if op == "step":
-            return self.step(StepBatch(plan["slots"]))
+            return self.step(StepBatch(plan["slots"], plan["nodes"]))
         if op == "noop":
             return {"tokens": [[7] * plan["tau"] for _ in plan["slots"]], "seconds": {}} if self.reports_tokens \
                 else None

@@ -14,6 +14,7 @@ from kdray.config import SPEC_MODES
 DEFAULT_MODEL = "smollm2-135m"  # the real small model, with its shipped DFlash drafter
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_BUDGET = 4096
+AUTO_MAX_NODES = 256  # the largest tree budget="auto" considers
 
 
 def setting(text: str, **kw):
@@ -31,7 +32,8 @@ class EngineArgs:
     drafter: str | None = setting("a DFlash checkpoint directory, or 'random' (tests); default: the preset's "
                                 "shipped drafter", default=None)
     spec: str | None = setting("ddtree, chain or ar; default: ddtree with a drafter, ar without", default=None)
-    budget: int = setting("draft-tree nodes per sequence per step", default=64)
+    budget: int | str = setting("draft-tree nodes per sequence per step, or auto: chosen each step by a cost model "
+                                "(0: plain decoding)", default="auto")
     block_size: int | None = setting("draft block size (default: the drafter's)", default=None)
     device: str | None = setting("cuda or cpu (default: cuda when a GPU is visible)", default=None)
     dtype: str | None = setting("bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)",
@@ -65,8 +67,11 @@ class EngineArgs:
                   name, f"an integer >= {low}" + (" or None" if allow_none else ""))
 
         check(self.spec is None or self.spec in SPEC_MODES, "spec", f"one of {', '.join(SPEC_MODES)}")
-        whole("budget", 1)
-        check(self.budget <= MAX_BUDGET, "budget", f"at most {MAX_BUDGET} draft nodes")
+        if isinstance(self.budget, str) and self.budget.isdigit():  # from a command line or a config file
+            self.budget = int(self.budget)
+        check(self.budget == "auto" or (isinstance(self.budget, int) and not isinstance(self.budget, bool)
+                                        and 0 <= self.budget <= MAX_BUDGET),
+              "budget", f"'auto' or a number of draft nodes in [0, {MAX_BUDGET}]")
         whole("block_size", 2, allow_none=True)
         check(self.device is None or self.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N")
         check(self.dtype is None or self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")

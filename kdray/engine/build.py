@@ -10,8 +10,10 @@ from kdray.engine.kv_pages import PagePool
 from kdray.engine.layout import EngineLayout, ModelFacts, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner
 from kdray.engine.scheduler import Scheduler
+from kdray.engine.step import StepBatch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget, load_drafter, load_target, parse_dtype
+from kdray.spec.budget import BudgetPolicy
 
 
 class LocalModels:
@@ -56,4 +58,19 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
     cfg, tok = facts.config, facts.tokenizer
     eos = cfg.eos_token_ids or (tok.eos_token_ids if tok else ())
     scheduler = Scheduler(PagePool(layout.num_pages, args.page_size), layout, args.max_tokens_per_step)
-    return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name), facts
+    policy = warm_policy(runner, layout) if layout.spec.auto else None
+    return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name, layout.spec.nodes,
+                  policy), facts
+
+
+def warm_policy(runner, layout: EngineLayout, repeats: int = 2) -> BudgetPolicy:
+    """The budget policy with its cost table's first row measured on this device: one sequence's step at every
+    candidate width, run in the scratch slot (its KV goes to the scratch page), the last of ``repeats`` timed."""
+    policy = BudgetPolicy(max_nodes=layout.spec.nodes, depth=layout.spec.depth)
+    measured = {}
+    for w in policy.widths:
+        for _ in range(repeats):
+            seconds = runner.step(StepBatch([layout.num_slots], w)).result().seconds
+        measured[w] = sum(seconds.values())
+    policy.warm(measured)
+    return policy

@@ -15,6 +15,7 @@ from kdray.engine.scheduler import Scheduler
 from kdray.engine.sequence import Sequence
 from kdray.engine.step import Pending, PrefillBatch, StepBatch
 from kdray.model.tokenizer import IncrementalDetokenizer
+from kdray.spec.budget import BudgetPolicy
 
 
 class RunnerFailure(RuntimeError):
@@ -28,11 +29,14 @@ class RunnerFailure(RuntimeError):
 
 @dataclass
 class _Launch:
-    """Work launched on the device: a prefill of ``seqs`` or one step of them, its result pending."""
+    """Work launched on the device: a prefill of ``seqs`` or one step of them (verifying ``nodes`` draft nodes
+    each), its result pending."""
 
     seqs: list[Sequence]
     pending: Pending
     prefill: bool
+    nodes: int = 0
+    at: float = 0.0  # perf_counter when launched
 
 
 class Engine:
@@ -40,8 +44,10 @@ class Engine:
     speculative step for the rest, then reports every request that emitted tokens or finished."""
 
     def __init__(self, runner, scheduler: Scheduler, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], model_name: str):
+                 eos_token_ids: tuple[int, ...], model_name: str, nodes: int, policy: BudgetPolicy | None = None):
+        """``nodes``: draft nodes per sequence per step; ``policy`` (``budget="auto"``) chooses them each step."""
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.nodes, self.policy = nodes, policy
         self.max_model_len, self.vocab_size, self.model_name = max_model_len, vocab_size, model_name
         self.eos_token_ids = set(eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -104,7 +110,7 @@ class Engine:
         try:
             launched = self._launch()
             previous, self._inflight = self._inflight, launched
-            touched = self._collect(previous)
+            touched = self._collect(previous, time.perf_counter())
         except RunnerFailure as e:
             failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
             self._inflight = []
@@ -117,7 +123,7 @@ class Engine:
     def drain(self) -> list[RequestOutput]:
         """Apply the step still in flight without launching another (its pages come back)."""
         previous, self._inflight = self._inflight, []
-        return [self._output(s) for s in self._collect(previous)]
+        return [self._output(s) for s in self._collect(previous, None)]
 
     def _launch(self) -> list[_Launch]:
         launches = []
@@ -129,23 +135,32 @@ class Engine:
             launches.append(_Launch(admitted, self.runner.prefill(batch), prefill=True))
         batch = self.scheduler.decode_batch()
         if batch:
-            launches.append(_Launch(batch, self.runner.step(StepBatch([s.slot for s in batch])), prefill=False))
+            nodes = self.policy.choose([s.masses for s in batch]) if self.policy is not None else self.nodes
+            launches.append(_Launch(batch, self.runner.step(StepBatch([s.slot for s in batch], nodes)), prefill=False,
+                                    nodes=nodes, at=time.perf_counter()))
         for launch in launches:
             for seq in launch.seqs:
                 seq.inflight += 1
         return launches
 
-    def _collect(self, launches: list[_Launch]) -> list[Sequence]:
-        """Apply launched work's results to its requests; retire those that ended and have nothing in flight."""
+    def _collect(self, launches: list[_Launch], now: float | None) -> list[Sequence]:
+        """Apply launched work's results to its requests; retire those that ended and have nothing in flight.
+        ``now``: when the next step was launched (a step's wall time, for the budget policy's cost table)."""
         touched = []
         for launch in launches:
             result = launch.pending.result()
-            tokens, share = (result, None) if launch.prefill else (result.tokens, {
-                k: v / len(launch.seqs) for k, v in result.seconds.items()})
-            for seq, toks in zip(launch.seqs, tokens):
+            if launch.prefill:
+                tokens, share, masses = [[t] for t in result], None, [None] * len(result)
+            else:
+                tokens, masses = result.tokens, result.masses or [None] * len(result.tokens)
+                share = {k: v / len(launch.seqs) for k, v in result.seconds.items()}
+                if self.policy is not None:
+                    self.policy.observe(launch.nodes, result.masses, [len(t) for t in tokens], len(launch.seqs),
+                                        sum(result.seconds.values()) or None, now - launch.at if now else None)
+            for seq, toks, mass in zip(launch.seqs, tokens, masses):
                 seq.inflight -= 1
                 if not seq.finished:
-                    self._advance(seq, [toks] if launch.prefill else toks, share)
+                    self._advance(seq, toks, share, launch.nodes, mass)
                     touched.append(seq)
                 if seq.finished and seq.inflight == 0:
                     self._retire(seq)
@@ -156,15 +171,19 @@ class Engine:
         if self._seqs.get(seq.request_id) is seq:
             del self._seqs[seq.request_id]
 
-    def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float] | None = None):
-        """Apply a prefill's first token (``stage_seconds`` None) or a step's tokens to ``seq``: the one place
-        where request state changes after admission."""
+    def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float] | None = None,
+                 nodes: int = 0, masses: list | None = None):
+        """Apply a prefill's first token (``stage_seconds`` None) or a step's tokens (from a tree of ``nodes`` draft
+        nodes, whose ``masses`` the budget policy reads next) to ``seq``: the one place where request state
+        changes after admission."""
         if stage_seconds is None:
             seq.cached_len = len(seq.prompt_ids)
         else:
             seq.cached_len += len(tokens)
             seq.steps += 1
             seq.accepted += len(tokens)
+            seq.tree_sizes[nodes] = seq.tree_sizes.get(nodes, 0) + 1
+            seq.masses = masses if masses is not None else seq.masses
             for stage, s in stage_seconds.items():
                 seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
         self._emit(seq, tokens)

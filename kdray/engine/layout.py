@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kdray.config import DFLASH_BLOCK_SIZE, DFlashConfig, SpecConfig
-from kdray.engine.args import EngineArgs
+from kdray.engine.args import AUTO_MAX_NODES, EngineArgs
 from kdray.model.tokenizer import Tokenizer
 
 KV_BUDGET_BYTES_CPU = 512 << 20
@@ -44,8 +44,10 @@ class EngineLayout:
     def plan(cls, args: EngineArgs, facts: ModelFacts) -> EngineLayout:
         """The layout for resolved ``args`` and the loaded models' ``facts``."""
         cfg, draft = facts.config, facts.draft_config
-        spec = SpecConfig(mode=args.spec, budget=args.budget,
-                          block_size=draft.block_size if draft else (args.block_size or DFLASH_BLOCK_SIZE))
+        auto = args.budget == "auto"
+        spec = SpecConfig(mode=args.spec, budget=AUTO_MAX_NODES if auto else args.budget,
+                          block_size=draft.block_size if draft else (args.block_size or DFLASH_BLOCK_SIZE),
+                          auto=auto and args.spec == "ddtree")
         limit = args.max_model_len or cfg.max_position_embeddings
         if limit > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={limit} exceeds the model's max_position_embeddings="

@@ -25,6 +25,7 @@ from kdray.kernels.tree_build import DraftTree, tree_build
 from kdray.model.batch import ForwardBatch, pack_bits, uniform_batch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
+from kdray.spec.budget import WIDTHS, width_masses
 from kdray.spec.sampling import RowParams, choose_tokens
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
@@ -138,6 +139,7 @@ class ModelRunner:
                                         *drafter.kv_row_shape, dtype=drafter.dtype, device=device)
             blk = self.spec.block_size  # [d_layers, P, S, 2, Hkv, D] above; [blk, W] below
             self._see_block = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=device))
+        self.widths = [w for w in WIDTHS if w <= self.spec.nodes]  # the tree widths budget="auto" chooses from
         self.graphs = layout.cuda_graphs and self.device.type == "cuda"
         graphed = (lambda fn: GraphedFn(fn, self.slots.snapshot)) if self.graphs else (lambda fn: None)
         self._step_graphs = graphed(self._step_fn)
@@ -160,7 +162,7 @@ class ModelRunner:
         done = self.run_prompts(batch)
         if done.features is not None:
             self.add_context(done.features, done.positions, done.cache_rows)
-        return self._to_host(done.first, lambda first, _: first)
+        return self._to_host([done.first], lambda host, _: host[0])
 
     def run_prompts(self, batch: PrefillBatch) -> Prefilled:
         """Record the new sequences' slots, run their prompts, cache their KV; pick the first tokens."""
@@ -198,30 +200,33 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, batch: StepBatch) -> Pending[StepResult]:
-        """All five stages in this process (one CUDA graph per batch-size bucket on GPUs), the device state
-        advanced; the tokens on their way to the host."""
+        """All five stages in this process (one CUDA graph per batch-size bucket and tree width on GPUs), the
+        device state advanced; the tokens (and, with ``budget="auto"``, the trees' masses) on their way to the host."""
         start = self._mark()
-        (packed,), timer = self._run(self._step_fn, self._step_graphs, self.slot_index(batch.slots),
-                                     greedy=self.slots.all_greedy(batch.slots))
+        (packed, masses), timer = self._run(self._step_fn, self._step_graphs, self.slot_index(batch.slots),
+                                            greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes)
+        n = len(batch.slots)
 
-        def result(rows: list[list[int]], device_seconds: float | None) -> StepResult:
+        def result(host: list, device_seconds: float | None) -> StepResult:
             # per stage where the graph's event nodes were timed, else the whole step's device time
             seconds = timer.seconds or ({"step": device_seconds} if device_seconds is not None else {})
-            return StepResult(unpack_tokens(rows), seconds)
+            return StepResult(unpack_tokens(host[0]), seconds, host[1] if len(host) > 1 else None)
 
-        return self._to_host(packed[:len(batch.slots)], result, start)
+        return self._to_host([t[:n] for t in (packed, masses) if t is not None], result, start)
 
-    def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, StageTimer]:
-        """The drafter actor's half: draft and build -> the trees packed for the link ``[Bp, packed_width]``."""
-        (packed,), timer = self._run(self._propose_fn, self._propose_graphs, self.slot_index(batch.slots))
-        return packed, timer
+    def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, StageTimer]:
+        """The drafter actor's half: draft and build -> (the trees packed for the link ``[Bp, packed_width]``, the
+        trees' masses ``[Bp, widths, L]`` or None, the timer)."""
+        (packed, masses), timer = self._run(self._propose_fn, self._propose_graphs, self.slot_index(batch.slots),
+                                            nodes=batch.nodes)
+        return packed, masses, timer
 
     def settle_step(self, batch: StepBatch, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                           StageTimer]:
         """A shard's half: verify, accept and commit the packed trees, advance the slots -> (the committed
         result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the timer)."""
         (packed, features), timer = self._run(self._settle_fn, self._settle_graphs, self.slot_index(batch.slots),
-                                              tree, greedy=self.slots.all_greedy(batch.slots))
+                                              tree, greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes)
         return packed, features, timer
 
     def absorb_step(self, batch: StepBatch, packed: torch.Tensor, features: torch.Tensor):
@@ -248,33 +253,40 @@ class ModelRunner:
         timer = self.timer()
         return fn(timer, *inputs, **options), timer
 
-    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool) -> tuple[torch.Tensor]:
+    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool, nodes: int):
         inputs = self.slots.inputs(idx, greedy)
-        committed = self.settle(self.propose(inputs, timer), inputs, timer)
+        tree, masses = self.propose(inputs, timer, nodes)
+        committed = self.settle(tree, inputs, timer)
         if committed.features is not None:
             self.add_context(committed.features.flatten(0, 1), *self.path_rows(inputs))
         self.slots.advance(idx, committed.length, committed.next_token)
         timer.end("commit")
-        return (committed.packed(),)
+        return committed.packed(), masses
 
-    def _propose_fn(self, timer: StageTimer, idx: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.propose(self.slots.inputs(idx, True), timer).pack(),)
+    def _propose_fn(self, timer: StageTimer, idx: torch.Tensor, nodes: int):
+        tree, masses = self.propose(self.slots.inputs(idx, True), timer, nodes)
+        return tree.pack(), masses
 
-    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool, nodes: int):
         inputs = self.slots.inputs(idx, greedy)
-        committed = self.settle(DraftTree.unpack(tree, self.spec.nodes), inputs, timer)
+        committed = self.settle(DraftTree.unpack(tree, nodes), inputs, timer)
         self.slots.advance(idx, committed.length, committed.next_token)
         timer.end("commit")
         return committed.packed(), committed.features
 
-    def propose(self, inputs: StepInputs, timer: StageTimer) -> DraftTree:
-        """The drafter's half of a step: ``draft``, then ``build_tree``, each timed under its name."""
-        draft = self.draft(inputs)
+    def propose(self, inputs: StepInputs, timer: StageTimer, nodes: int) -> tuple[DraftTree, torch.Tensor | None]:
+        """The drafter's half of a step: ``draft``, then ``build_tree``, each timed under its name; the tree keeps
+        its first ``nodes`` (0: the root alone, and no draft). With ``budget="auto"`` also the masses of the whole
+        tree at every candidate width ``[B, widths, L]`` (:func:`kdray.spec.budget.width_masses`)."""
+        draft = self.draft(inputs) if nodes else None
         timer.end("draft")
         tree = self.build_tree(draft, inputs)
+        masses = None
+        if self.spec.auto and draft is not None:
+            masses = width_masses(draft.logits, tree.tokens, tree.depths, tree.ancestors(), self.widths,
+                                  self.spec.depth)
         timer.end("build")
-        return tree
+        return (tree.prefix(nodes) if nodes < tree.tokens.shape[1] - 1 else tree), masses
 
     def settle(self, tree: DraftTree, inputs: StepInputs, timer: StageTimer) -> Committed:
         """The target's half: ``verify``, ``accept``, ``commit`` (its timing closed by the caller, after the
@@ -360,17 +372,18 @@ class ModelRunner:
         event.record()
         return event
 
-    def _to_host(self, values: torch.Tensor, parse, start: torch.cuda.Event | None = None) -> Pending:
+    def _to_host(self, values: list[torch.Tensor], parse, start: torch.cuda.Event | None = None) -> Pending:
         """Copy ``values`` to the host without waiting (pinned memory on GPUs); the Pending calls
-        ``parse(rows, device seconds since start or None)``."""
-        if values.device.type != "cuda":
-            return Pending.ready(parse(values.tolist(), None))
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
+        ``parse([each as lists], device seconds since start or None)``."""
+        if self.device.type != "cuda":
+            return Pending.ready(parse([v.tolist() for v in values], None))
+        hosts = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in values]
+        for host, v in zip(hosts, values):
+            host.copy_(v, non_blocking=True)
         done = self._mark()
 
         def wait():
             done.synchronize()
-            return parse(host.tolist(), start.elapsed_time(done) / 1e3 if start is not None else None)
+            return parse([h.tolist() for h in hosts], start.elapsed_time(done) / 1e3 if start is not None else None)
 
         return Pending(wait)

@@ -34,6 +34,8 @@ class Sequence:
     first_token_at: float | None = None
     steps: int = 0
     accepted: int = 0
+    tree_sizes: dict = field(default_factory=dict)  # draft nodes verified -> steps
+    masses: list | None = None  # budget="auto": the latest tree's mass per candidate width and depth
     stage_seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @property
@@ -49,4 +51,4 @@ class Sequence:
                 "accepted_tokens": self.accepted, "prompt_tokens": len(self.prompt_ids),
                 "generated_tokens": len(self.output_ids),
                 "ttft": (self.first_token_at - self.arrival) if self.first_token_at else None,
-                "seconds": dict(self.stage_seconds)}
+                "seconds": dict(self.stage_seconds), "tree_sizes": dict(self.tree_sizes)}

@@ -43,10 +43,12 @@ class PrefillBatch:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """The slots of the sequences that take one speculative step. Each slot's bonus token (the tree's root) and
-    cached length live on the device, advanced by every step, so the host never has to know them to launch."""
+    """The slots of the sequences that take one speculative step, and the draft nodes each verifies (0: plain
+    decoding). Each slot's bonus token (the tree's root) and cached length live on the device, advanced by every
+    step, so the host never has to know them to launch."""
 
     slots: list[int]
+    nodes: int
 
 
 @dataclass
@@ -118,6 +120,7 @@ class Pending(Generic[T]):
 class StepResult:
     tokens: list[list[int]]  # per sequence: accepted draft tokens, then the next bonus
     seconds: dict[str, float]  # per stage, for the whole batch
+    masses: list | None = None  # budget="auto": per sequence, its tree's mass per candidate width and depth
 
 
 class StageTimer:

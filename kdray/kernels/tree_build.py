@@ -56,6 +56,20 @@ class DraftTree:
         return torch.cat([self.tokens.int(), self.parents, self.depths, self.num_nodes[:, None], self.mask.flatten(1)],
                          dim=1)
 
+    def prefix(self, nodes: int) -> DraftTree:
+        """The tree of its first ``nodes`` draft nodes: best-first order makes it the tree of that budget (parents
+        precede children, so no kept node loses an ancestor)."""
+        n1 = nodes + 1
+        return DraftTree(tokens=self.tokens[:, :n1].contiguous(), parents=self.parents[:, :n1].contiguous(),
+                         depths=self.depths[:, :n1].contiguous(), num_nodes=self.num_nodes.clamp(max=n1),
+                         mask=self.mask[:, :n1, :mask_words(nodes)].contiguous())
+
+    def ancestors(self) -> torch.Tensor:
+        """``[B, 1+N, 1+N]`` bool: node i's ancestors (the root and itself included), unpacked from the mask."""
+        n1 = self.tokens.shape[1]
+        j = torch.arange(n1, device=self.mask.device)
+        return ((self.mask[:, :, j // 32] >> (j % 32).to(torch.int32)) & 1).bool()
+
     @classmethod
     def unpack(cls, buf: torch.Tensor, max_nodes: int) -> DraftTree:
         """Inverse of :meth:`pack`."""
