@@ -130,7 +130,7 @@ class Engine:
         p = seq.params
         for t in tokens:
             seq.output_ids.append(t)
-            if not p.ignore_eos and t in self.eos_token_ids:
+            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
                 seq.finish_reason = "stop"
             elif p.stop and self._hit_stop(seq):
                 seq.finish_reason = "stop"
@@ -144,10 +144,11 @@ class Engine:
 
     def _hit_stop(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids)
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        hits = [(i, i + len(s)) for s in seq.params.stop if (i := text.find(s)) >= 0]
         if not hits:
             return False
-        seq.text = text[:min(hits)]
+        start, end = min(hits)  # the first stop string in the text
+        seq.text = text[:end if seq.params.include_stop_str_in_output else start]
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
