@@ -74,7 +74,9 @@ CHAT_TEMPLATE = """
 {%- endif -%}
 {%- for message in messages -%}
   {%- if loop.first and message.role != 'system' -%}
-<|im_system|>system<|im_middle|>{{ system_prompt | default('You are Kimi, an AI assistant created by Moonshot AI.') }}<|im_end|>
+<|im_system|>system<|im_middle|>
+    {{- system_prompt | default('You are Kimi, an AI assistant created by Moonshot AI.') -}}
+<|im_end|>
   {%- endif -%}
   {%- set role_name = message.name or message.role -%}
   {%- if message.role == 'user' -%}<|im_user|>{{ role_name }}<|im_middle|>

@@ -59,7 +59,8 @@ def test_vllm_engine_argument_names():
     assert args == {"tp": 1, "cuda_graphs": False, "spec": "chain", "drafter": "random", "block_size": 4, "budget": 8}
     llm = LLM(model="k2-tiny", device="cpu", dtype="float32", tensor_parallel_size=1, enforce_eager=True,
               speculative_config={"method": "ddtree", "model": "random", "num_speculative_tokens": 3})
-    assert (llm.args.spec, llm.args.drafter, llm.args.block_size, llm.args.cuda_graphs) == ("ddtree", "random", 4, False)
+    a = llm.args
+    assert (a.spec, a.drafter, a.block_size, a.cuda_graphs) == ("ddtree", "random", 4, False)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -63,7 +63,8 @@ def test_tools_documents_and_template_arguments_reach_the_template():
                 "{{ messages[1].tool_calls[0].function.arguments.city }} {{ messages[2].tool_call_id }} "
                 "{{ add_generation_prompt }}")
     fields = {"tools": [{"type": "function", "function": {"name": "get_weather"}}],
-              "documents": [{"title": "Atlas", "text": "Paris is in France."}], "chat_template_kwargs": {"greeting": "hi"}}
+              "documents": [{"title": "Atlas", "text": "Paris is in France."}],
+              "chat_template_kwargs": {"greeting": "hi"}}
     assert rendered(serving_with_template(template), **fields) == "1 Atlas hi Paris call_1 True"
     assert rendered(serving_with_template(template), **fields, add_generation_prompt=False).endswith("False")
 

@@ -14,11 +14,13 @@ from kdray.serve.serving import _Response
 from kdray.serve.tool_calls import ToolCallParser
 
 BYTES = {bytes([b]): b for b in range(256)}
-TOOLS = [{"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "get_time"}}]
-K2_REPLY = ("Let me check the weather in Zürich.<|tool_calls_section_begin|><|tool_call_begin|> functions.get_weather:0"
-            " <|tool_call_argument_begin|> {\"city\": \"Zürich\"}\n<|tool_call_end|><|tool_call_begin|>"
-            "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
-K2_CALLS = [("functions.get_weather:0", "get_weather", '{"city": "Zürich"}'), ("functions.get_time:1", "get_time", "{}")]
+TOOLS = [{"type": "function", "function": {"name": name}} for name in ("get_weather", "get_time")]
+K2_REPLY = ("Let me check the weather in Zürich.<|tool_calls_section_begin|>"
+            "<|tool_call_begin|> functions.get_weather:0 <|tool_call_argument_begin|> {\"city\": \"Zürich\"}\n"
+            "<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+            "<|tool_calls_section_end|>")
+K2_CALLS = [("functions.get_weather:0", "get_weather", '{"city": "Zürich"}'),
+            ("functions.get_time:1", "get_time", "{}")]
 HERMES_REPLY = ("Sure <tool_ use.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\n"
                 "</tool_call>\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>")
 HERMES_CALLS = [(None, "get_weather", '{"city": "Zürich"}'), (None, "get_time", "{}")]

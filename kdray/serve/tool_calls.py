@@ -2,8 +2,9 @@
 
 K2 (when the vocabulary has its tokens)::
 
-    <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>
-    ...<|tool_calls_section_end|>
+    <|tool_calls_section_begin|>
+    <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|> (repeated)
+    <|tool_calls_section_end|>
 
 Hermes (every other model): ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``, repeated.
 
