@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
-from kdray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kdray.serve.protocol import METADATA_FIELDS, APIError, ChatCompletionRequest, CompletionRequest, validate
 from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing
 
 CONTEXT = 64
@@ -82,3 +82,31 @@ def test_template_errors_and_sandbox_violations_are_400s_naming_them(tmp_path, t
             asyncio.run(call)
         assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "chat_template_error")
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- strict by default (the walk over every field is
+# tests/test_openai_fields.py, on a served model)
+
+@pytest.mark.parametrize("model,fields,param,message", [
+    (CompletionRequest, {"presence_penalty": 0.5}, "presence_penalty", "kdray does not implement this field"),
+    (CompletionRequest, {"suffix": "!"}, "suffix", "fill-in-the-middle"),
+    (CompletionRequest, {"best_of": 2}, "best_of", r"must equal n \(1\)"),
+    (CompletionRequest, {"stream_options": {"include_usage": True}}, "stream_options", "only applies with stream"),
+    (CompletionRequest, {"stop_token_ids": [1] * 65}, "stop_token_ids", "at most 64 items"),
+    (ChatCompletionRequest, {"tools": [], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages[0].audio",
+     "kdray does not implement this field"),
+    (ChatCompletionRequest, {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools",
+     "a request field of its own"),
+])
+def test_what_kdray_does_not_honour_is_a_400_naming_it(model, fields, param, message):
+    body = {"model": "m", "prompt": "x"} if model is CompletionRequest else {"model": "m", "messages": [USER]}
+    with pytest.raises(APIError, match=message) as e:
+        validate(model, {**body, **fields})
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_metadata_fields_are_accepted():
+    fields = {"user": "client-7", "safety_identifier": "client-7", "metadata": {"team": "a"}}
+    assert set(fields) == set(METADATA_FIELDS)
+    assert validate(CompletionRequest, {"model": "m", "prompt": "x", **fields}).user == "client-7"

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 16  # choices per request
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 METADATA_FIELDS = ("user", "safety_identifier", "metadata")  # for the client's own bookkeeping: accepted, no effect
 # Refused fields with more to say than "not implemented"
 _UNSUPPORTED = {
@@ -112,7 +113,7 @@ class GenerationRequest(_Strict):
     top_k: int = Field(0, ge=-1)  # -1 (vLLM's "off") and 0 both disable it
     seed: int | None = None
     stop: list[str] = []
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
