@@ -46,3 +46,14 @@ def serve_cluster(ray_cluster):
     cluster = ServeCluster()
     yield cluster
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def k2_chat(serve_cluster, tmp_path_factory):
+    """The Kimi-K2-layout chat checkpoint of ``tests/k2_chat.py`` served as 'k2-chat' at /k2chat; its base URL."""
+    from k2_chat import make_k2_chat_checkpoint
+
+    path = make_k2_chat_checkpoint(tmp_path_factory.mktemp("models") / "k2-chat")
+    base = serve_cluster.deploy({"/k2chat": {"model": str(path), "served_model_name": "k2-chat", "device": "cpu",
+                                             "batch_dir": str(tmp_path_factory.mktemp("batches"))}})
+    return f"{base}/k2chat"

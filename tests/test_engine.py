@@ -119,6 +119,26 @@ def test_stop_string_across_a_step_is_cut_and_its_tokens_kept_up_to_it():
     assert c.text == "".join(f"<{t}>" for t in seq[:3])
 
 
+def test_stop_token_ids_stop_like_eos_even_when_eos_is_ignored():
+    prompt = [1, 2, 3]
+    seq = expected(prompt, 20)
+    stop = seq[6]  # emitted in the middle of the second step's tokens
+    outs = run(make_engine(FakeRunner(accept=4)), [prompt],
+               [SamplingParams(max_tokens=20, stop_token_ids=[stop], ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == seq[:seq.index(stop) + 1]
+    assert outs[0].outputs[0].finish_reason == "stop"
+
+
+def test_include_stop_str_in_output_keeps_the_first_stop_string():
+    prompt = [1]
+    seq = expected(prompt, 12)
+    first, later = f"<{seq[3]}>", f"<{seq[2]}><{seq[3]}><{seq[4]}>"
+    params = SamplingParams(max_tokens=12, stop=[later, first], include_stop_str_in_output=True, ignore_eos=True)
+    c = run(make_engine(FakeRunner(accept=3), tokenizer=AngleTokenizer()), [prompt], [params])[0].outputs[0]
+    assert c.finish_reason == "stop" and c.token_ids == seq[:4]
+    assert c.text == "".join(f"<{t}>" for t in seq[:4])
+
+
 def test_stop_strings_without_a_tokenizer_are_refused_not_ignored():
     with pytest.raises(ValueError, match="stop: model 'fake' has no tokenizer"):
         make_engine(FakeRunner()).add_request("a", [1, 2], SamplingParams(stop="."))

@@ -1,9 +1,12 @@
-"""OpenAI request handling without a server: how many tokens a request may generate."""
+"""OpenAI request handling without a server: how many tokens a request may generate, and what reaches the chat
+template (and what a template error answers)."""
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from kdray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kdray.model.tokenizer import TiktokenBackend, Tokenizer
+from kdray.serve.protocol import METADATA_FIELDS, APIError, ChatCompletionRequest, CompletionRequest, validate
 from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing
 
 CONTEXT = 64
@@ -34,3 +37,76 @@ def test_an_explicit_max_tokens_beyond_the_room_is_refused_naming_it():
     with pytest.raises(APIError, match="leave no room") as e:
         serving()._max_tokens(CompletionRequest(model="m", prompt=[1]), CONTEXT, chat=False)
     assert e.value.param == "prompt"
+
+
+# ---------------------------------------------------------------- chat templates from requests
+
+BYTES = {bytes([b]): b for b in range(256)}
+USER = {"role": "user", "content": "Weather in Paris?"}
+CALLED = {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "12°C"}
+
+
+def serving_with_template(template: str) -> OpenAIServing:
+    tok = Tokenizer(TiktokenBackend(BYTES, {}), chat_template=template)
+    return OpenAIServing(SimpleNamespace(engine=SimpleNamespace(tokenizer=tok, max_model_len=CONTEXT)), "m")
+
+
+def rendered(serving: OpenAIServing, **fields) -> str:
+    ids = asyncio.run(serving.tokenize({"messages": [USER, CALLED, RESULT], **fields}))["tokens"]
+    return serving.tokenizer.decode(ids)
+
+
+def test_tools_documents_and_template_arguments_reach_the_template():
+    template = ("{{ tools | length }} {{ documents[0].title }} {{ greeting }} "
+                "{{ messages[1].tool_calls[0].function.arguments.city }} {{ messages[2].tool_call_id }} "
+                "{{ add_generation_prompt }}")
+    fields = {"tools": [{"type": "function", "function": {"name": "get_weather"}}],
+              "documents": [{"title": "Atlas", "text": "Paris is in France."}],
+              "chat_template_kwargs": {"greeting": "hi"}}
+    assert rendered(serving_with_template(template), **fields) == "1 Atlas hi Paris call_1 True"
+    assert rendered(serving_with_template(template), **fields, add_generation_prompt=False).endswith("False")
+
+
+@pytest.mark.parametrize("template,message", [
+    ("{{ raise_exception('tool results need a name') }}", "messages: chat template: tool results need a name"),
+    ("{{ cycler.__init__.__globals__.os.system('touch %s') }}", "messages: chat template was stopped by the sandbox"),
+    ("{% for m in messages %}", "messages: chat template has a syntax error"),
+])
+def test_template_errors_and_sandbox_violations_are_400s_naming_them(tmp_path, template, message):
+    marker = tmp_path / "escaped"
+    serving = serving_with_template(template.replace("%s", str(marker)))
+    for call in (serving.chat({"model": "m", "messages": [USER]}), serving.tokenize({"messages": [USER]})):
+        with pytest.raises(APIError, match=message) as e:
+            asyncio.run(call)
+        assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "chat_template_error")
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- strict by default (the walk over every field is
+# tests/test_openai_fields.py, on a served model)
+
+@pytest.mark.parametrize("model,fields,param,message", [
+    (CompletionRequest, {"presence_penalty": 0.5}, "presence_penalty", "kdray does not implement this field"),
+    (CompletionRequest, {"suffix": "!"}, "suffix", "fill-in-the-middle"),
+    (CompletionRequest, {"best_of": 2}, "best_of", r"must equal n \(1\)"),
+    (CompletionRequest, {"stream_options": {"include_usage": True}}, "stream_options", "only applies with stream"),
+    (CompletionRequest, {"stop_token_ids": [1] * 65}, "stop_token_ids", "at most 64 items"),
+    (ChatCompletionRequest, {"tools": [], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages[0].audio",
+     "kdray does not implement this field"),
+    (ChatCompletionRequest, {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools",
+     "a request field of its own"),
+])
+def test_what_kdray_does_not_honour_is_a_400_naming_it(model, fields, param, message):
+    body = {"model": "m", "prompt": "x"} if model is CompletionRequest else {"model": "m", "messages": [USER]}
+    with pytest.raises(APIError, match=message) as e:
+        validate(model, {**body, **fields})
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_metadata_fields_are_accepted():
+    fields = {"user": "client-7", "safety_identifier": "client-7", "metadata": {"team": "a"}}
+    assert set(fields) == set(METADATA_FIELDS)
+    assert validate(CompletionRequest, {"model": "m", "prompt": "x", **fields}).user == "client-7"

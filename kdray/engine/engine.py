@@ -202,7 +202,7 @@ class Engine:
                 if p.stop and self._cut_at_stop(seq, before):
                     seq.finish_reason = "stop"
                     return
-            if not p.ignore_eos and t in self.eos_token_ids:
+            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -213,12 +213,14 @@ class Engine:
 
     @staticmethod
     def _cut_at_stop(seq: Sequence, before: int) -> bool:
-        """Whether a stop string ends in the text added after ``before`` characters; if so, cut the text there."""
+        """Whether a stop string ends in the text added after ``before`` characters; if so, cut the text there
+        (after the stop string with ``include_stop_str_in_output``)."""
         window = max(0, before - max(map(len, seq.params.stop)) + 1)
-        hits = [i for i in (seq.text.find(s, window) for s in seq.params.stop) if i >= 0]
+        hits = [(i, i + len(s)) for s in seq.params.stop if (i := seq.text.find(s, window)) >= 0]
         if not hits:
             return False
-        seq.text = seq.text[:min(hits)]
+        start, end = min(hits)  # the first stop string in the text
+        seq.text = seq.text[:end if seq.params.include_stop_str_in_output else start]
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -1,16 +1,25 @@
 """OpenAI request models, error bodies and server-sent events.
 
-Requests are validated strictly (a string where a number belongs is an error, not a conversion) and
-every failure becomes an :class:`APIError` whose message and ``param`` name the offending field.
+Requests are validated strictly (a string where a number belongs is an error, not a conversion, and a field
+kdray does not implement is refused, except the few in METADATA_FIELDS) and every failure becomes an
+:class:`APIError` whose message and ``param`` name the offending field.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 16  # choices per request
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
+METADATA_FIELDS = ("user", "safety_identifier", "metadata")  # for the client's own bookkeeping: accepted, no effect
+# Refused fields with more to say than "not implemented"
+_UNSUPPORTED = {
+    "suffix": "text after the completion (fill-in-the-middle) is not supported by kdray's chat-style models",
+    "functions": "the deprecated functions API is not supported; send tools",
+    "function_call": "the deprecated function_call is not supported; send tool_choice",
+}
 SSE_DONE = "data: [DONE]\n\n"
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_overloaded"}
 
@@ -40,6 +49,14 @@ def parse_json(raw: bytes) -> dict:
     return data
 
 
+class FieldError(ValueError):
+    """A check across fields that names the one it is about (its path inside the model being validated)."""
+
+    def __init__(self, loc: tuple, message: str):
+        super().__init__(message)
+        self.loc = loc
+
+
 def _field(loc: tuple) -> str:
     """``("messages", 0, "content")`` -> ``messages[0].content``."""
     out = ""
@@ -54,14 +71,22 @@ def validate(model: type[BaseModel], data: dict):
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, FieldError):  # a model's check: name (and show, when given) the field it is about
+            value = err["input"].get(cause.loc[0])
+            err = {"type": err["type"], "msg": err["msg"], "loc": (*err["loc"], *cause.loc),
+                   **({} if value is None else {"input": value})}
         name = _field(err["loc"])
+        if err["type"] == "extra_forbidden":
+            why = _UNSUPPORTED.get(name, "kdray does not implement this field")
+            raise APIError(400, f"{name}: {why}; leave it out", param=name, code="unsupported_field") from None
         msg = err["msg"].removeprefix("Value error, ")
         got = f" (got {json.dumps(err['input'])[:80]})" if "input" in err and err["type"] != "missing" else ""
         raise APIError(400, f"{name}: {msg}{got}", param=name, code="invalid_value") from None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +113,8 @@ class GenerationRequest(_Strict):
     top_k: int = Field(0, ge=-1)  # -1 (vLLM's "off") and 0 both disable it
     seed: int | None = None
     stop: list[str] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -95,6 +122,9 @@ class GenerationRequest(_Strict):
     return_token_ids: bool = False  # kdray / vLLM extension: token ids beside the text
     logprobs: Any = None
     top_logprobs: Any = None
+    user: str | None = None  # METADATA_FIELDS
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -111,6 +141,12 @@ class GenerationRequest(_Strict):
             raise ValueError("log probabilities are not supported by kdray yet; leave the field out")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options(self) -> GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise FieldError(("stream_options",), "only applies with stream: true; leave it out")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -120,7 +156,8 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
 
     prompt: list[str | list[int]]
-    echo: bool = False
+    echo: bool = False  # the prompt's text before each choice's
+    best_of: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -131,17 +168,45 @@ class CompletionRequest(GenerationRequest):
                              "or a non-empty list of either")
         return v
 
-    @field_validator("echo")
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise FieldError(("best_of",), f"must equal n ({self.n}): kdray returns every sample it draws, it does "
+                                           "not rank them; leave it out")
+        return self
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported; leave it out or set it to false")
+    def _json_object(cls, v: str) -> str:
+        try:
+            ok = isinstance(json.loads(v), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("must be a JSON object, written as a string")
         return v
 
 
+class ToolCall(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    """One message: text content (parts joined), and for the assistant the tool calls it made, for a tool the
+    id of the call it answers."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -154,19 +219,125 @@ class ChatMessage(_Strict):
             return "".join(p["text"] for p in v)
         return v
 
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError(("tool_calls",), f"only assistant messages carry tool calls, not {self.role} messages")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise FieldError(("tool_call_id",), "a tool message needs the id of the tool call it answers" if
+                             self.role == "tool" else f"only tool messages answer a tool call, not {self.role} ones")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise FieldError(("content",), "missing; only an assistant message with tool_calls may leave it out")
+        return self
 
-class ChatCompletionRequest(GenerationRequest):
-    """``POST /v1/chat/completions``."""
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool-call arguments as objects (transformers' convention)."""
+        out = self.model_dump(exclude_none=True)
+        for call in out.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        return out
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool = False
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("strict tool calls need constrained decoding, which kdray does not do yet; leave it out")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+# Names a chat template is given by kdray itself, so chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
+
+
+class ChatTemplateFields(_Strict):
+    """What a chat template renders: the messages, the tools and documents, and how the prompt ends."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    documents: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True  # end with the assistant's header
+    continue_final_message: bool = False  # end inside the final (assistant) message, for the model to continue it
+    chat_template_kwargs: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _template_fields(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError(("continue_final_message",), "excludes add_generation_prompt (true by default): set "
+                             "add_generation_prompt to false to continue the final message")
+        taken = sorted(set(self.chat_template_kwargs) & set(TEMPLATE_ARGUMENTS))
+        if taken:
+            raise FieldError(("chat_template_kwargs", taken[0]), "is a request field of its own; send it there")
+        return self
+
+    def template_arguments(self) -> dict:
+        """Keyword arguments of ``Tokenizer.apply_chat_template`` (after the messages)."""
+        tools = None if self.tools is None else [t.model_dump(exclude_unset=True) for t in self.tools]
+        return {"tools": tools, "documents": self.documents, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
+    """``POST /v1/chat/completions``. Tool calls in the reply are parsed into ``tool_calls`` unless
+    ``tool_choice`` is "none"."""
+
     max_completion_tokens: int | None = Field(None, ge=1)
+    tool_choice: Any = None  # "none" or "auto"; forcing a call needs constrained decoding
+    parallel_tool_calls: bool = True  # false: the reply's first tool call only
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v == "required" or isinstance(v, dict):
+            raise ValueError("forcing a tool call needs constrained decoding, which kdray does not do yet; use "
+                             "'auto' or 'none'")
+        if v not in ("none", "auto"):
+            raise ValueError("must be 'none' or 'auto' (kdray does not force tool calls)")
+        return v
 
     @model_validator(mode="after")
     def _completion_tokens(self) -> ChatCompletionRequest:
         """The newer ``max_completion_tokens`` name wins over ``max_tokens`` when both are given."""
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.tool_choice not in (None, "none") and self.tools is None:
+            raise FieldError(("tool_choice",), f"'{self.tool_choice}' needs tools; send tools or leave it out")
         return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.tools is not None and self.tool_choice != "none"
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` with a prompt: its token ids, as /v1/completions would use them."""
+
+    model: str | None = None
+    prompt: str
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """``POST /tokenize`` with messages: the chat template's prompt as /v1/chat/completions would use it."""
+
+    model: str | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: the text of token ids."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve import Application
 
+from kdray import __version__
 from kdray.llm import LLM
 from kdray.serve.args import ServeArgs
 from kdray.serve.async_engine import AsyncEngine, EngineDead, QueueFull
@@ -197,3 +198,15 @@ class KdrayServer:
     @api.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(self, request: Request, batch_id: str):
         return await self._handle(request, "/v1/batches/{id}/cancel", lambda: self.batches.cancel_batch(batch_id))
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self._handle(request, "/tokenize", lambda: self._json(request, self.openai.tokenize))
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self._handle(request, "/detokenize", lambda: self._json(request, self.openai.detokenize))
+
+    @api.get("/version")
+    async def version(self, request: Request):
+        return await self._handle(request, "/version", lambda: {"version": __version__})

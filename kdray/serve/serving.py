@@ -1,18 +1,24 @@
 """OpenAI completions and chat completions on an :class:`AsyncEngine`.
 
 A request becomes ``len(prompts) * n`` engine requests (choice ``i * n + j`` is prompt ``i``'s
-``j``-th sample); their outputs become one response body, or a stream of SSE chunks.
+``j``-th sample); their outputs become one response body, or a stream of SSE chunks. Chat prompts are rendered
+(and all prompts tokenized) in a worker thread, off the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from kdray.engine.request import RequestOutput, SamplingParams
+from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from kdray.model.tokenizer import ChatTemplateError
 from kdray.serve.async_engine import AsyncEngine, RequestStream
-from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest,
+from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
+                                  DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
+from kdray.serve.tool_calls import ParsedCall, ToolCallParser
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -24,6 +30,7 @@ class OpenAIServing:
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.tool_calls = ToolCallParser(self.tokenizer) if self.tokenizer is not None else None
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -33,20 +40,39 @@ class OpenAIServing:
         """``POST /v1/completions``: a response body, or SSE text when ``stream`` is true."""
         req = validate(CompletionRequest, data)
         self._check_model(req.model)
-        prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompt]
-        return await self._generate(req, prompts, chat=False)
+        prompts = await asyncio.to_thread(lambda: [p if isinstance(p, list) else self._encode(p) for p in req.prompt])
+        echo = None
+        if req.echo:  # the prompts' text, before each choice's
+            echo = await asyncio.to_thread(lambda: [p if isinstance(p, str) else self._decode(p, "echo")
+                                                    for p in req.prompt])
+        return await self._generate(req, prompts, chat=False, echo=echo)
 
     async def chat(self, data: dict) -> dict | AsyncIterator[str]:
-        """``POST /v1/chat/completions``: the prompt is the tokenizer's chat template over ``messages``."""
+        """``POST /v1/chat/completions``: the prompt is the tokenizer's chat template over ``messages`` (and
+        ``tools``, ``documents``, ...); tool calls in the reply are parsed unless ``tool_choice`` is "none"."""
         req = validate(ChatCompletionRequest, data)
         self._check_model(req.model)
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise APIError(400, f"messages: model '{self.model_name}' has no tokenizer with a chat template, so it "
-                           "cannot serve chat completions; use /v1/completions (with token ids when it has no "
-                           "tokenizer)",
-                           param="messages", code="chat_template_missing")
-        text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
-        return await self._generate(req, [self.tokenizer.encode(text)], chat=True)
+        ids = await asyncio.to_thread(self._render, req)
+        return await self._generate(req, [ids], chat=True, tools=self.tool_calls if req.parses_tool_calls else None)
+
+    async def tokenize(self, data: dict) -> dict:
+        """``POST /tokenize`` (vLLM's): the token ids of a ``prompt``, or of ``messages`` rendered for chat."""
+        req = validate(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
+        self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = await asyncio.to_thread(self._render, req)
+        else:
+            ids = await asyncio.to_thread(self._encode, req.prompt)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+
+    async def detokenize(self, data: dict) -> dict:
+        """``POST /detokenize`` (vLLM's): the text of ``tokens``."""
+        req = validate(DetokenizeRequest, data)
+        self._check_model(req.model)
+        vocab = self.engine.engine.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise APIError(400, f"tokens: ids must lie in [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(self._decode, req.tokens, "tokens")}
 
     async def respond(self, url: str, body: dict) -> tuple[int, dict]:
         """One non-streaming request as ``(status, body)``: what a batch job records per line."""
@@ -59,8 +85,8 @@ class OpenAIServing:
         except APIError as e:
             return e.status, e.body()
 
-    def _check_model(self, model: str):
-        if model != self.model_name:
+    def _check_model(self, model: str | None):
+        if model is not None and model != self.model_name:
             raise APIError(400, f"model: '{model}' is not served here; this server serves '{self.model_name}' "
                            "(see GET /v1/models)", param="model", code="model_not_found")
 
@@ -68,6 +94,29 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, f"prompt: model '{self.model_name}' has no tokenizer; send the prompt as a list of "
                            "token ids", param="prompt", code="tokenizer_missing")
+        return self.tokenizer.encode(text)
+
+    def _decode(self, ids: list[int], field: str) -> str:
+        if self.tokenizer is None:
+            raise APIError(400, f"{field}: model '{self.model_name}' has no tokenizer, so token ids have no text",
+                           param=field, code="tokenizer_missing")
+        return self.tokenizer.decode(ids)
+
+    def _render(self, req: ChatTemplateFields) -> list[int]:
+        """The chat prompt's token ids: the chat template over the request's messages, tools, ..."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise APIError(400, f"messages: model '{self.model_name}' has no tokenizer with a chat template, so it "
+                           "cannot serve chat completions; use /v1/completions (with token ids when it has no "
+                           "tokenizer)",
+                           param="messages", code="chat_template_missing")
+        try:
+            text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                      **req.template_arguments())
+        except ChatTemplateError as e:  # the template's own error, or the sandbox stopping it
+            raise APIError(400, f"messages: {e}", param="messages", code="chat_template_error") from None
+        except ValueError as e:  # what continue_final_message needs
+            raise APIError(400, str(e), param="continue_final_message" if req.continue_final_message else "messages",
+                           code="chat_template_error") from None
         return self.tokenizer.encode(text)
 
     def _max_tokens(self, req: GenerationRequest, prompt_len: int, chat: bool) -> int:
@@ -85,7 +134,8 @@ class OpenAIServing:
                            code="context_length_exceeded")
         return wanted
 
-    async def _generate(self, req: GenerationRequest, prompts: list[list[int]], chat: bool):
+    async def _generate(self, req: GenerationRequest, prompts: list[list[int]], chat: bool,
+                        echo: list[str] | None = None, tools: ToolCallParser | None = None):
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
@@ -96,12 +146,14 @@ class OpenAIServing:
             for j in range(req.n):
                 params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                         top_k=max(req.top_k, 0), seed=None if req.seed is None else req.seed + j,
-                                        stop=req.stop, ignore_eos=req.ignore_eos)
+                                        stop=req.stop, stop_token_ids=req.stop_token_ids,
+                                        include_stop_str_in_output=req.include_stop_str_in_output,
+                                        ignore_eos=req.ignore_eos)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
         if len(requests) > self.engine.capacity:
             raise APIError(400, f"n: {len(prompts)} prompts x n={req.n} make {len(requests)} requests, more than this "
                            f"server takes at once ({self.engine.capacity}); split the request", param="n")
-        response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)))
+        response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools)
         try:
             stream = await self.engine.generate(requests)
         except ValueError as e:  # the engine refused the prompt
@@ -118,70 +170,137 @@ class OpenAIServing:
         return response.body([final[r[0]] for r in requests])
 
 
+@dataclass
+class _Sent:
+    """What a stream has sent of one choice: its text, its token ids, and per tool call its id and arguments."""
+
+    text: str = ""
+    ids: int = 0
+    calls: list[list] = field(default_factory=list)  # [id, characters of arguments sent]
+
+
 class _Response:
     """The OpenAI body shapes of one request: a whole response or its SSE chunks."""
 
-    def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int):
+    def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int,
+                 echo: list[str] | None = None, tools: ToolCallParser | None = None):
         self.rid, self.model, self.chat, self.choices, self.prompt_tokens = rid, model, chat, choices, prompt_tokens
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
         self.hold = max(map(len, req.stop), default=1) - 1  # text that may yet turn out to start a stop string
+        self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
+        self.tools = tools
+        self.max_calls = None if getattr(req, "parallel_tool_calls", True) else 1
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, index: int, text: str, token_ids: list[int], finish: str | None, delta: bool) -> dict:
+    def _choice(self, index: int, text: str | None, token_ids: list[int], finish: str | None, delta: bool,
+                tool_calls: list[dict] | None = None) -> dict:
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        elif delta:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                      "finish_reason": finish}
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            message = {} if delta else {"role": "assistant", "content": text}
+            if delta and text:
+                message["content"] = text
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": index, "delta" if delta else "message": message, "logprobs": None,
                       "finish_reason": finish}
         if self.token_ids:
             choice["token_ids"] = token_ids
         return choice
 
+    def _reply(self, c: CompletionOutput, finished: bool) -> tuple[str, list[ParsedCall], str | None]:
+        """A choice's content, tool calls and finish reason so far: with tools, the text before the calls (all the
+        text when the finished reply has none) and finish reason "tool_calls" when it has."""
+        if self.tools is None:
+            return c.text, [], c.finish_reason
+        reply = self.tools.parse(self.tools.text(c.token_ids), finished)
+        calls = reply.calls[:self.max_calls]
+        if not finished:
+            return reply.content, calls, None
+        done = [call for call in calls if call.complete]
+        return (reply.content, done, "tool_calls") if done else (c.text, [], c.finish_reason)
+
     def body(self, outputs: list[RequestOutput]) -> dict:
         choices = []
         for index, out in enumerate(outputs):
             c = out.outputs[0]
-            choices.append(self._choice(index, c.text, c.token_ids, c.finish_reason, delta=False))
+            text, calls, finish = self._reply(c, finished=True)
+            if self.echo:
+                text = self.echo[index] + text
+            tool_calls = [_tool_call(call, call.id or _call_id()) for call in calls]
+            choices.append(self._choice(index, (text or None) if calls else text, c.token_ids, finish, False,
+                                        tool_calls))
             if self.token_ids:
                 choices[-1]["prompt_token_ids"] = out.prompt_token_ids
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage(self.prompt_tokens, generated)}
 
-    async def sse(self, stream: RequestStream) -> AsyncIterator[str]:
-        """SSE text: per choice, the role first (chat), then text deltas, then the finish reason.
+    def _delta(self, c: CompletionOutput, finished: bool, sent: _Sent) -> tuple[str, list[dict], str | None]:
+        """What a choice adds to what its stream has sent: text, tool-call deltas, the finish reason.
 
-        A running request's text is sent only as far as it is settled: not a tail that could still become
-        a stop string (which is cut from the output) nor half a UTF-8 character.
-        """
+        A running request's text is sent only as far as it is settled: not a tail that could still become a stop
+        string (which is cut from the output) nor half a UTF-8 character. A tool call is sent with its id and name,
+        then its arguments as they grow."""
+        content, calls, finish = self._reply(c, finished)
+        if not finished:
+            content = content[:len(content) - self.hold].rstrip("\ufffd")
+        text = content[len(sent.text):]
+        if text:
+            sent.text = content
+        deltas = []
+        for i, call in enumerate(calls):
+            new = i == len(sent.calls)
+            if new:
+                sent.calls.append([call.id or _call_id(), 0])
+            arguments = call.arguments[sent.calls[i][1]:]
+            sent.calls[i][1] = len(call.arguments)
+            if new:
+                deltas.append(_tool_call(call, sent.calls[i][0], arguments, index=i))
+            elif arguments:
+                deltas.append({"index": i, "function": {"arguments": arguments}})
+        return text, deltas, finish
+
+    async def sse(self, stream: RequestStream) -> AsyncIterator[str]:
+        """SSE text: per choice, the role first (chat) or the echoed prompt, then deltas, then the finish reason."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        sent_text, sent_ids = [""] * self.choices, [0] * self.choices
+        sent = [_Sent() for _ in range(self.choices)]
         try:
-            if self.chat:
-                for index in range(self.choices):
+            for index in range(self.choices):
+                if self.chat:
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
                     yield sse({**self._head(obj), "choices": [first]})
+                elif self.echo:
+                    yield sse({**self._head(obj), "choices": [self._choice(index, self.echo[index], [], None, True)]})
             async for out in stream:
                 index = int(out.request_id.rsplit("-", 1)[1])
                 c = out.outputs[0]
-                settled = c.text if out.finished else c.text[:len(c.text) - self.hold].rstrip("\ufffd")
-                text, ids = settled[len(sent_text[index]):], c.token_ids[sent_ids[index]:]
-                if text:
-                    sent_text[index] = settled
-                sent_ids[index] = len(c.token_ids)
-                if text or ids or c.finish_reason:
-                    yield sse({**self._head(obj), "choices": [self._choice(index, text, ids, c.finish_reason, True)]})
+                text, tool_calls, finish = self._delta(c, out.finished, sent[index])
+                ids = c.token_ids[sent[index].ids:]
+                sent[index].ids = len(c.token_ids)
+                if text or ids or tool_calls or finish:
+                    choice = self._choice(index, text, ids, finish, True, tool_calls)
+                    yield sse({**self._head(obj), "choices": [choice]})
             if self.include_usage:
-                yield sse({**self._head(obj), "choices": [], "usage": usage(self.prompt_tokens, sum(sent_ids))})
+                yield sse({**self._head(obj), "choices": [],
+                           "usage": usage(self.prompt_tokens, sum(s.ids for s in sent))})
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the status line is gone: report the error in the stream
             yield sse(APIError(500, f"generation failed: {e}", code="engine_error").body())
         finally:
             stream.abort()
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_call(call: ParsedCall, call_id: str, arguments: str | None = None, index: int | None = None) -> dict:
+    """A tool call as OpenAI writes it (a stream's first delta of it has ``index`` and the arguments so far)."""
+    out = {"id": call_id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments if arguments is None else arguments}}
+    return out if index is None else {"index": index, **out}

@@ -1,0 +1,98 @@
+"""A Kimi-K2-layout checkpoint (tiktoken.model, tokenizer_config.json, K2's chat template; tests/k2_chat.py) served
+end to end on the CPU and driven through the ``openai`` client: chat, tool calls (whole, streamed, answered),
+what the request asks of the template, and vLLM's /tokenize, /detokenize and /version."""
+import json
+
+import openai
+import pytest
+import requests
+from k2_chat import ANSWER_TEXT, CALLS, GREETING_TEXT, TOOLS
+
+import kdray
+
+pytestmark = pytest.mark.slow  # the shared Serve instance
+
+MODEL = "k2-chat"
+USER = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+
+
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def streamed(chunks) -> tuple[str, list[dict], str]:
+    """The content, tool calls and finish reason a client assembles from streamed deltas."""
+    content, calls, finish = "", [], None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                if d.index == len(calls):
+                    calls.append({"id": d.id, "name": d.function.name, "arguments": ""})
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_chat(k2_chat):
+    c = client(k2_chat)
+    r = c.chat.completions.create(model=MODEL, messages=USER)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (GREETING_TEXT, "stop")
+    assert r.choices[0].message.tool_calls is None
+    assert streamed(c.chat.completions.create(model=MODEL, messages=USER, stream=True)) == (GREETING_TEXT, [], "stop")
+
+
+def test_tool_calls_whole_streamed_and_answered(k2_chat):
+    c = client(k2_chat)
+    r = c.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+    expected = [{"id": call_id, "name": name, "arguments": args} for name, args, call_id in CALLS]
+    assert [{"id": t.id, "name": t.function.name, "arguments": json.loads(t.function.arguments)}
+            for t in message.tool_calls] == expected
+
+    content, calls, finish = streamed(c.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, stream=True))
+    assert (content, finish) == ("", "tool_calls")
+    assert [{**t, "arguments": json.loads(t["arguments"])} for t in calls] == expected
+
+    one = c.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, parallel_tool_calls=False)
+    assert [t.function.name for t in one.choices[0].message.tool_calls] == ["get_weather"]
+    unparsed = c.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="none")
+    assert unparsed.choices[0].message.tool_calls is None and "get_weather" in unparsed.choices[0].message.content
+
+    results = [{"role": "tool", "tool_call_id": t.id, "content": "12°C, rain" if i == 0 else "14:05"}
+               for i, t in enumerate(message.tool_calls)]
+    r = c.chat.completions.create(model=MODEL, messages=[*USER, message, *results], tools=TOOLS)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER_TEXT, "stop")
+
+    with pytest.raises(openai.BadRequestError, match="constrained decoding") as e:
+        c.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+
+
+def test_template_requests_that_cannot_be_rendered_are_400s(k2_chat):
+    c = client(k2_chat)
+    with pytest.raises(openai.BadRequestError, match="final message is from 'user'") as e:
+        c.chat.completions.create(model=MODEL, messages=USER, extra_body={"continue_final_message": True,
+                                                                          "add_generation_prompt": False})
+    assert e.value.body["param"] == "continue_final_message"
+    with pytest.raises(openai.BadRequestError, match="tool_call_id") as e:
+        c.chat.completions.create(model=MODEL, messages=[*USER, {"role": "tool", "content": "12°C"}])
+    assert e.value.body["param"] == "messages[1].tool_call_id"
+
+
+def test_tokenize_detokenize_and_version(k2_chat):
+    prompt_tokens = client(k2_chat).chat.completions.create(model=MODEL, messages=USER, tools=TOOLS,
+                                                            max_tokens=1).usage.prompt_tokens
+    chat = requests.post(f"{k2_chat}/tokenize", json={"model": MODEL, "messages": USER, "tools": TOOLS},
+                         timeout=30).json()
+    assert (chat["count"], len(chat["tokens"]), chat["max_model_len"]) == (prompt_tokens, prompt_tokens, 2048)
+    text = requests.post(f"{k2_chat}/detokenize", json={"tokens": chat["tokens"]}, timeout=30).json()["prompt"]
+    assert text.startswith("tool_declare# Tools\n[{") and text.endswith("the time?assistant")  # specials skipped
+
+    plain = requests.post(f"{k2_chat}/tokenize", json={"prompt": "Hello, Paris!"}, timeout=30).json()
+    assert requests.post(f"{k2_chat}/detokenize", json={"model": MODEL, "tokens": plain["tokens"]},
+                         timeout=30).json() == {"prompt": "Hello, Paris!"}
+    r = requests.post(f"{k2_chat}/detokenize", json={"tokens": [5000]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert requests.get(f"{k2_chat}/version", timeout=10).json() == {"version": kdray.__version__}
