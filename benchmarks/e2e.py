@@ -31,19 +31,24 @@ from kdray.model.loader import load_target, parse_dtype
 from kdray.train_drafter import kv_pages, margin_at, topic_prompts
 
 
+def budget(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", help="DFlash checkpoint directory (default: the preset's built-in drafter)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    ap.add_argument("--budgets", type=budget, nargs="+", default=[16, 32, 64, 128, 256, "auto"],
+                    help="DDTree budgets (0: a DDTree engine that verifies no draft; auto: chosen each step)")
     ap.add_argument("--batch", type=int, default=16, help="the batched column")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts decoded one at a time")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lossless-prompts", type=int, default=20)
     ap.add_argument("--lossless-tokens", type=int, default=128)
-    ap.add_argument("--lossless-budgets", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--lossless-budgets", type=budget, nargs="+", default=[64, 256])
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="on cuda (default: on)")
     ap.add_argument("--png", type=Path)
     ap.add_argument("--json", type=Path)
@@ -101,7 +106,7 @@ def table(rows: list[dict], header: str, batch: int) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b1, bn = r["batch1"], r["batchN"]
-        lines.append(f"| {r['mode']} | {r['budget'] or '-'} | {b1['tau']:.2f} | {b1['tok_s']:.1f} | "
+        lines.append(f"| {r['mode']} | {'-' if r['budget'] is None else r['budget']} | {b1['tau']:.2f} | {b1['tok_s']:.1f} | "
                      f"{b1['tok_s'] / ar['batch1']['tok_s']:.2f}x | {b1['host_ms']:.2f} | {b1['gpu_busy']:.0%} | "
                      f"{bn['tok_s']:.1f} | {bn['tok_s'] / ar['batchN']['tok_s']:.2f}x | {bn['host_ms']:.2f} | "
                      f"{bn['gpu_busy']:.0%} |")
@@ -118,7 +123,7 @@ def plot(rows: list[dict], title: str, batch: int, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tree = [r for r in rows if r["mode"] == "ddtree"]
+    tree = [r for r in rows if r["mode"] == "ddtree" and isinstance(r["budget"], int) and r["budget"] > 0]
     ref = {r["mode"]: r for r in rows if r["mode"] in ("ar", "chain")}
     budgets = [r["budget"] for r in tree]
     fig, (ax_tau, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -147,10 +152,13 @@ def bench(args, target, drafter, graphs: bool, prompts: dict, pages: int, on_row
     """Every configuration in turn -> (rows, losslessness reports); ``on_row(rows, lossless)`` after each."""
     rows, lossless, ar_outputs = [], {}, None
     for mode, budget in [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]:
-        llm = LLM(model=target, drafter=None if mode == "ar" else drafter, spec=mode, budget=budget or 64,
+        llm = LLM(model=target, drafter=None if mode == "ar" else drafter, spec=mode,
+                  budget=64 if budget is None else budget,
                   max_num_seqs=max(args.batch, args.lossless_prompts), num_pages=pages, cuda_graphs=graphs)
         row = {"mode": mode, "budget": budget, "batch1": run(llm, prompts["b1"], args.max_tokens, True),
                "batchN": run(llm, prompts["bN"], args.max_tokens, False)}
+        if llm.engine.policy is not None:
+            row["policy"] = llm.engine.policy.report()
         if mode == "ar" or budget in args.lossless_budgets:
             outs = run(llm, prompts["lossless"], args.lossless_tokens, False)["outputs"]
             if mode == "ar":

@@ -19,13 +19,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for phase in "$@"; do
   case $phase in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernel_*.py \
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernel_*.py -n 4 --dist loadfile \
              -W ignore::DeprecationWarning 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     ray)   python3 -m pytest -q -p no:cacheprovider tests/test_ray_gpu.py -W ignore::DeprecationWarning 2>&1 \
              | tee "$OUT/ray.log" | tail -25 ;;
-    e2e)   python3 benchmarks/e2e.py --budgets 16 64 256 --lossless-budgets 64 --md "$OUT/e2e.md" \
+    e2e)   python3 benchmarks/e2e.py --budgets 0 16 64 256 auto --lossless-budgets 64 auto --md "$OUT/e2e.md" \
              --json "$OUT/e2e.json" 2>"$OUT/e2e.err"; tail -5 "$OUT/e2e.err" ;;
-    serve) python3 benchmarks/serve_load.py --specs ar ddtree --concurrency 1 4 16 64 --seconds 10 \
+    serve) python3 benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --seconds 8 \
              --md "$OUT/serve.md" 2>"$OUT/serve.err"; grep -v INFO "$OUT/serve.err" | tail -12 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -28,7 +28,8 @@ from benchmarks.common import print_table  # noqa: E402
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--specs", nargs="+", default=["ar", "chain", "ddtree"], help="modes to deploy in turn")
+    ap.add_argument("--specs", nargs="+", default=["ar", "chain", "ddtree:auto"],
+                    help="modes to deploy in turn: ar, chain, ddtree:<budget> (a number or auto)")
     ap.add_argument("--url", help="load this running server instead of deploying (one mode: the server's)")
     ap.add_argument("--args", default="{}", help="more Serve builder arguments, as JSON")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -102,7 +103,8 @@ def deploy(spec: str, args) -> str:
     if not ray.is_initialized():
         ray.init(include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    builder = {"model": args.model, "spec": spec, **json.loads(args.args)}
+    mode, _, budget = spec.partition(":")
+    builder = {"model": args.model, "spec": mode, **({"budget": budget} if budget else {}), **json.loads(args.args)}
     serve.run(app(builder), name="load", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{args.port}"
     import requests

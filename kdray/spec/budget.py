@@ -82,12 +82,28 @@ class BudgetPolicy:
             self.per_token = max(0.0, (measured[hi] - measured[lo]) / max(1, hi - lo))
 
     def cost(self, batch: int, w: int) -> float:
-        """Expected seconds of a step of ``batch`` sequences verifying ``w`` nodes each (host wait included)."""
+        """Expected seconds of a step of ``batch`` sequences verifying ``w`` nodes each (host wait included): the
+        table's entry, else one sequence's cost at ``w`` plus the per-token slope for the other sequences."""
         b = bucket_of(batch)
         if (b, w) in self.costs:
             return self.costs[(b, w)] + self.host_seconds
-        base = self.costs.get((1, w)) or min(self.costs.values(), default=1e-3)
-        return base + self.per_token * (b - 1) * (1 + w) + self.host_seconds
+        return self._one_sequence(w) + self.per_token * (b - 1) * (1 + w) + self.host_seconds
+
+    def _one_sequence(self, w: int) -> float:
+        """One sequence's step at ``w``: measured, else interpolated between the measured widths (extended by
+        the per-token slope past the largest)."""
+        row = sorted((w1, s) for (b, w1), s in self.costs.items() if b == 1)
+        if not row:
+            return 1e-3
+        below = [(w1, s) for w1, s in row if w1 <= w]
+        above = [(w1, s) for w1, s in row if w1 >= w]
+        if not below:
+            return above[0][1]
+        (w0, s0) = below[-1]
+        if not above:
+            return s0 + self.per_token * (w - w0)
+        (w1, s1) = above[0]
+        return s0 if w1 == w0 else s0 + (s1 - s0) * (w - w0) / (w1 - w0)
 
     def expected_tokens(self, masses: list[list[list[float]] | None], k: int) -> float:
         """Expected tokens committed by a step at ``widths[k]`` over the batch; sequences without a report yet
