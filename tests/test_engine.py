@@ -6,7 +6,7 @@ import pytest
 from kdray import SamplingParams
 from kdray.config import SpecConfig
 from kdray.engine.engine import Engine, RunnerFailure
-from kdray.engine.kv_pages import PagePool
+from kdray.engine.kv_pages import PagePool, extend_keys
 from kdray.engine.layout import EngineLayout
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.step import Pending, StepResult
@@ -30,9 +30,11 @@ class FakeRunner:
 
     def prefill(self, batch):
         self.prefills.append(batch)
-        for slot, prompt in zip(batch.slots, batch.prompts):
-            self.cached[slot] = len(prompt)
-        return Pending.ready([token_at(len(p)) for p in batch.prompts])
+        first = []
+        for slot, chunk, start, last, root in zip(batch.slots, batch.prompts, batch.starts, batch.last, batch.roots):
+            self.cached[slot] = start + len(chunk)
+            first.append(root if root is not None else token_at(start + len(chunk)))
+        return Pending.ready(first)
 
     def step(self, batch):
         self.steps.append(batch)
@@ -55,12 +57,13 @@ class AngleTokenizer:
 
 
 def make_engine(runner, num_pages=64, page_size=4, max_num_seqs=4, max_model_len=64, nodes=3,
-                max_tokens_per_step=8192, tokenizer=None, eos=()) -> Engine:
+                max_tokens_per_step=8192, tokenizer=None, eos=(), prefix_caching=False, prefill_chunk=None) -> Engine:
     spec = SpecConfig("ddtree", budget=nodes, block_size=4)
     layout = EngineLayout(spec=spec, max_model_len=max_model_len, num_pages=num_pages, page_size=page_size,
                           num_slots=max_num_seqs, max_pages_per_seq=-(-(max_model_len + spec.cache_slack) // page_size),
                           target_layer_ids=(), cuda_graphs=False)
-    scheduler = Scheduler(PagePool(num_pages, page_size), layout, max_tokens_per_step)
+    scheduler = Scheduler(PagePool(num_pages, page_size, prefix_caching), layout, max_tokens_per_step,
+                          prefill_chunk or max_tokens_per_step)
     return Engine(runner, scheduler, tokenizer, max_model_len, VOCAB, eos, "fake", spec.nodes)
 
 
@@ -151,18 +154,87 @@ def test_bad_prompts_are_refused_naming_the_problem(prompt, message):
         make_engine(FakeRunner()).add_request("a", prompt, SamplingParams())
 
 
-def test_admission_waits_for_pages_and_slots_and_reuses_them():
+def test_admission_takes_current_need_not_the_whole_context():
+    """Pages for the prompt and one step's look-ahead admit a request, however long it may grow: a burst of long
+    requests all run at once (a full reservation would have admitted one)."""
     runner = FakeRunner(accept=2)
-    # Each request needs ceil((4 + 8 + slack 4) / 4) = 4 pages: 8 pages hold two at once; two slots as well.
-    engine = make_engine(runner, num_pages=8, max_num_seqs=3)
-    outs = run(engine, [[1, 2, 3, 4]] * 5, [SamplingParams(max_tokens=8, ignore_eos=True)] * 5)
-    assert all(o.outputs[0].token_ids == expected([1, 2, 3, 4], 8) for o in outs)
-    assert max(len(b.slots) for b in runner.steps) == 2  # never more running than the pages allow
-    assert {s for b in runner.prefills for s in b.slots} == {0, 1}  # freed slots are handed out again
-    engine = make_engine(FakeRunner(accept=2), max_num_seqs=2)
+    engine = make_engine(runner, num_pages=80, max_num_seqs=16, max_model_len=4096)
+    for i in range(16):
+        engine.add_request(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=4000, ignore_eos=True))
+    engine.step()
+    assert len(engine.scheduler.running) == 16 and not engine.scheduler.waiting
+    assert engine.scheduler.pages_to_start(engine.scheduler.running[0]) * 16 <= 80 < 16 * (4004 // 4)
+
+
+def test_a_preempted_request_resumes_with_exactly_its_output():
+    """Too few pages for every sequence to grow: the most recently admitted ones are preempted (their pages back,
+    their KV recomputed from prompt and output later), and every output is the one it would have been."""
+    runner = FakeRunner(accept=3)
+    engine = make_engine(runner, num_pages=16, max_num_seqs=4, max_model_len=64)
+    prompts = [[i + 1] * (3 + i) for i in range(4)]
+    outs = run(engine, prompts, [SamplingParams(max_tokens=30, ignore_eos=True)] * 4)
+    assert [o.outputs[0].token_ids for o in outs] == [expected(p, 30) for p in prompts]
+    assert engine.scheduler.preemptions > 0
+    resumed = [b for b in runner.prefills if any(r is not None for r in b.roots)]
+    assert resumed  # a resumed context was prefilled again, its known bonus token given
+    assert engine.free_pages() == 16 and not engine.scheduler.running
+
+
+def test_slots_bound_the_running_set_and_come_back():
+    runner = FakeRunner(accept=2)
+    engine = make_engine(runner, max_num_seqs=2)
     run(engine, [[1, 2]] * 4, [SamplingParams(max_tokens=3, ignore_eos=True)] * 4)
-    assert max(len(b.slots) for b in engine.runner.steps) == 2
+    assert max(len(b.slots) for b in runner.steps) == 2
+    assert {s for b in runner.prefills for s in b.slots} == {0, 1}  # freed slots are handed out again
     assert sorted(engine.scheduler._free_slots) == [0, 1]  # every slot back once all finished
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 12])
+def test_chunked_prefill_shares_steps_with_decoding(chunk):
+    """A long prompt is prefilled a chunk per step while the running sequence keeps decoding."""
+    runner = FakeRunner(accept=1)
+    engine = make_engine(runner, num_pages=64, max_num_seqs=4, max_model_len=128, prefill_chunk=chunk)
+    engine.add_request("short", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", list(range(3, 45)), SamplingParams(max_tokens=5, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["long"].outputs[0].token_ids == expected(list(range(3, 45)), 5)
+    assert done["short"].outputs[0].token_ids == expected([1, 2], 40)
+    long_chunks = [(b.starts[i], len(b.prompts[i])) for b in runner.prefills for i in range(len(b.slots))
+                   if b.starts[i] or len(b.prompts[i]) > 2]
+    assert sum(n for _, n in long_chunks) == 42 and max(n for _, n in long_chunks) <= chunk
+    assert [a for a, _ in long_chunks] == list(range(0, 42, chunk))[:len(long_chunks)]
+    stepped_while_prefilling = [b for b in runner.steps if len(b.slots) == 1]
+    assert len(stepped_while_prefilling) >= len(long_chunks) - 1  # the short one never waited for the prompt
+
+
+def test_prefix_cache_shares_full_pages_and_prefills_only_the_rest():
+    runner = FakeRunner(accept=2)
+    engine = make_engine(runner, num_pages=64, prefix_caching=True)
+    system = list(range(1, 14))  # 13 tokens: 3 full pages of 4
+    run(engine, [system + [20]], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    outs = run(engine, [system + [30, 31]], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == expected(system + [30, 31], 3)
+    second = runner.prefills[-1]
+    assert second.starts == [12] and second.prompts == [[13, 30, 31]]  # 3 cached pages, the rest prefilled
+    assert engine.scheduler.pool.hits == 3
+
+
+def test_eviction_takes_idle_cached_pages_never_held_ones():
+    pool = PagePool(4, 2, prefix_caching=True)
+    held, idle = pool.allocate(2), pool.allocate(2)
+    keys: list = []
+    extend_keys(keys, [1, 2, 3, 4], 2, 2)
+    pool.register(idle, keys)
+    pool.register(held, [b"x", b"y"])
+    pool.release(list(idle))  # cached, nobody holds them
+    assert pool.free_pages() == 2
+    got = pool.allocate(2)
+    assert sorted(got) == sorted(idle) and pool.match(keys) == []  # evicted: the cache forgets them
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.allocate(1)  # the held pages are never taken
 
 
 def test_step_token_bound_rotates_through_the_running_sequences():
@@ -193,7 +265,8 @@ def test_a_runner_failure_fails_the_running_requests_and_the_waiting_ones_run_ne
     engine = make_engine(FakeRunner(accept=2, fail_at_step=2), max_num_seqs=1)
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=9, ignore_eos=True))
     engine.add_request("b", [3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
-    engine.step()  # prefill of a and its first step
+    engine.step()  # prefill of a
+    engine.step()  # its first step
     with pytest.raises(RunnerFailure, match=r"shard 1 died\n-> request\(s\) \['a'\] failed") as failure:
         engine.step()
     assert failure.value.request_ids == ("a",) and engine.free_pages() == 64

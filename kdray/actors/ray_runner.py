@@ -259,7 +259,8 @@ class RayRunner:
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """One plan to every actor; the replies are read when the engine asks (after it launched the next step)."""
         drafter = ("drafter",) if self.args.drafter is not None else ()
-        wait = self._send({"op": "step", "slots": batch.slots, "nodes": batch.nodes}, ("shard 0", *drafter))
+        wait = self._send({"op": "step", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages},
+                          ("shard 0", *drafter))
 
         def result() -> StepResult:
             shard, *draft = wait()
@@ -270,8 +271,8 @@ class RayRunner:
 
     def noop(self, batch: StepBatch, tau: int) -> list[list[int]]:
         """A step-shaped plan with no model work (the control-path benchmark): its round trip."""
-        return self._send({"op": "noop", "slots": batch.slots, "nodes": batch.nodes, "tau": tau},
-                          ("shard 0",))()[0]["tokens"]
+        return self._send({"op": "noop", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages,
+                           "tau": tau}, ("shard 0",))()[0]["tokens"]
 
     def shutdown(self):
         """Release every actor, the placement group and their GPUs; the engine cannot step afterwards."""

@@ -3,10 +3,10 @@ plan per step.
 
 A step plan (msgpack) is ``{"op", ...}``:
 
-- ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts``, ``pages``,
-  ``sampling`` = ``[[temperature, top_k, top_p], ...]``, ``seeds``);
-- ``step``: the ``slots`` and ``nodes`` of a :class:`~kdray.engine.step.StepBatch` (each actor keeps every slot's
-  state);
+- ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts`` (the chunks),
+  ``starts``, ``pages``, ``sampling`` = ``[[temperature, top_k, top_p], ...]``, ``seeds``, ``last``, ``roots``);
+- ``step``: the ``slots``, ``nodes`` and grown ``pages`` of a :class:`~kdray.engine.step.StepBatch` (each actor
+  keeps every slot's state);
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
@@ -47,13 +47,15 @@ class LoadReport:
 
 def prefill_batch(plan: dict) -> PrefillBatch:
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in plan["sampling"]]
-    return PrefillBatch(plan["slots"], plan["prompts"], plan["pages"], params, plan["seeds"])
+    return PrefillBatch(plan["slots"], plan["prompts"], plan["starts"], plan["pages"], params, plan["seeds"],
+                        plan["last"], plan["roots"])
 
 
 def prefill_plan(batch: PrefillBatch) -> dict:
     """The ``prefill`` plan of ``batch`` (what :func:`prefill_batch` reads back)."""
-    return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "pages": batch.pages,
-            "sampling": [[p.temperature, p.top_k, p.top_p] for p in batch.params], "seeds": batch.seeds}
+    return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "starts": batch.starts,
+            "pages": batch.pages, "sampling": [[p.temperature, p.top_k, p.top_p] for p in batch.params],
+            "seeds": batch.seeds, "last": batch.last, "roots": batch.roots}
 
 
 class Worker(ABC):
@@ -131,7 +133,7 @@ class Worker(ABC):
         if op == "prefill":
             return self.prefill(prefill_batch(plan))
         if op == "step":
-            return self.step(StepBatch(plan["slots"], plan["nodes"]))
+            return self.step(StepBatch(plan["slots"], plan["nodes"], {int(k): v for k, v in plan["pages"].items()}))
         if op == "noop":
             return {"tokens": [[7] * plan["tau"] for _ in plan["slots"]], "seconds": {}} if self.reports_tokens \
                 else None

@@ -45,7 +45,10 @@ class EngineArgs:
                                     default=None)
     max_num_seqs: int = setting("sequences decoded together", default=32)
     max_model_len: int | None = setting("context length (default: the model's)", default=None)
-    max_tokens_per_step: int = setting("tokens one step may run (prefill and tree nodes)", default=8192)
+    max_tokens_per_step: int = setting("tokens one step may run (prefill chunks and tree nodes)", default=8192)
+    prefill_chunk: int | None = setting("most prompt tokens of one request prefilled in one step (default: "
+                                        "max_tokens_per_step)", default=None)
+    prefix_caching: bool = setting("reuse the KV pages of prompts' common prefixes across requests", default=True)
     page_size: int = setting("tokens per KV-cache page (a power of two)", default=16)
     num_pages: int | None = setting("KV-cache pages (default: what fits half the free GPU memory, or 512 MiB "
                                   "on the CPU)", default=None)
@@ -82,6 +85,7 @@ class EngineArgs:
         whole("max_num_seqs", 1)
         whole("max_model_len", 2, allow_none=True)
         whole("max_tokens_per_step", 1)
+        whole("prefill_chunk", 1, allow_none=True)
         whole("page_size", 1)
         check(self.page_size & (self.page_size - 1) == 0, "page_size", "a power of two")
         whole("num_pages", 1, allow_none=True)

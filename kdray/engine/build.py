@@ -57,7 +57,8 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
     runner = models.start(layout)
     cfg, tok = facts.config, facts.tokenizer
     eos = cfg.eos_token_ids or (tok.eos_token_ids if tok else ())
-    scheduler = Scheduler(PagePool(layout.num_pages, args.page_size), layout, args.max_tokens_per_step)
+    scheduler = Scheduler(PagePool(layout.num_pages, args.page_size, args.prefix_caching), layout,
+                          args.max_tokens_per_step, args.prefill_chunk or args.max_tokens_per_step)
     policy = warm_policy(runner, layout) if layout.spec.auto else None
     return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name, layout.spec.nodes,
                   policy), facts

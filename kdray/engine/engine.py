@@ -37,6 +37,7 @@ class _Launch:
     prefill: bool
     nodes: int = 0
     at: float = 0.0  # perf_counter when launched
+    last: list[bool] | None = None  # prefill: which chunks end their context
 
 
 class Engine:
@@ -71,10 +72,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed,
                        detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
-        need, have = self.scheduler.pages_needed(seq), self.scheduler.pool.num_pages
+        need, have = self.scheduler.pages_to_start(seq), self.scheduler.pool.num_pages
         if need > have:
-            raise ValueError(f"prompt plus max_tokens={params.max_tokens} needs {need} KV pages; the pool has {have}: "
-                             "lower max_tokens or give the engine more pages (num_pages)")
+            raise ValueError(f"the prompt needs {need} KV pages; the pool has {have}: shorten the prompt or give the "
+                             "engine more pages (num_pages)")
         self._seqs[request_id] = seq
         self.scheduler.waiting.append(seq)
 
@@ -126,26 +127,42 @@ class Engine:
         return [self._output(s) for s in self._collect(previous, None)]
 
     def _launch(self) -> list[_Launch]:
-        launches = []
-        admitted = self.scheduler.admit()
-        if admitted:
-            batch = PrefillBatch(slots=[s.slot for s in admitted], prompts=[s.prompt_ids for s in admitted],
-                                 pages=[s.pages for s in admitted], params=[s.params for s in admitted],
-                                 seeds=[s.seed for s in admitted])
-            launches.append(_Launch(admitted, self.runner.prefill(batch), prefill=True))
-        batch = self.scheduler.decode_batch()
+        """Admit, pick this step's sequences (pages for what they may write; preemption when none are left), then
+        launch the context chunks that fit the step's remaining token budget and the step itself."""
+        self.scheduler.admit()
+        batch = self.scheduler.reserve(self.scheduler.decode_batch())
+        for seq in [s for s in self.scheduler.running if s.preempted and s.inflight == 0]:
+            self.scheduler.release(seq)  # nothing in flight writes its pages: back to the pool, the request waits
+        nodes = 0
         if batch:
             nodes = self.policy.choose([s.masses for s in batch]) if self.policy is not None else self.nodes
-            launches.append(_Launch(batch, self.runner.step(StepBatch([s.slot for s in batch], nodes)), prefill=False,
-                                    nodes=nodes, at=time.perf_counter()))
+        chunks = self.scheduler.prefill_chunks(self.scheduler.max_tokens_per_step - len(batch) * (1 + nodes))
+        launches = []
+        if chunks:
+            seqs = [seq for seq, _, _ in chunks]
+            prefill = PrefillBatch(
+                slots=[s.slot for s in seqs], prompts=[s.context_ids[a:b] for s, a, b in chunks],
+                starts=[a for _, a, _ in chunks], pages=[list(s.pages) for s in seqs], params=[s.params for s in seqs],
+                seeds=[s.seed for s in seqs], last=[b == s.prefill_len for s, _, b in chunks],
+                roots=[s.output_ids[-1] if s.output_ids else None for s in seqs])
+            for seq, _, end in chunks:
+                seq.prefilled, seq.pages_sent = end, len(seq.pages)
+            launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last))
+        if batch:
+            grown = {s.slot: list(s.pages) for s in batch if len(s.pages) != s.pages_sent}
+            for seq in batch:
+                seq.pages_sent = len(seq.pages)
+            launches.append(_Launch(batch, self.runner.step(StepBatch([s.slot for s in batch], nodes, grown)),
+                                    prefill=False, nodes=nodes, at=time.perf_counter()))
         for launch in launches:
             for seq in launch.seqs:
                 seq.inflight += 1
         return launches
 
     def _collect(self, launches: list[_Launch], now: float | None) -> list[Sequence]:
-        """Apply launched work's results to its requests; retire those that ended and have nothing in flight.
-        ``now``: when the next step was launched (a step's wall time, for the budget policy's cost table)."""
+        """Apply launched work's results to its requests; give back the pages of those that ended (or were
+        preempted) and have nothing in flight. ``now``: when the next step was launched (a step's wall time, for
+        the budget policy's cost table)."""
         touched = []
         for launch in launches:
             result = launch.pending.result()
@@ -157,36 +174,47 @@ class Engine:
                 if self.policy is not None:
                     self.policy.observe(launch.nodes, result.masses, [len(t) for t in tokens], len(launch.seqs),
                                         sum(result.seconds.values()) or None, now - launch.at if now else None)
-            for seq, toks, mass in zip(launch.seqs, tokens, masses):
+            for i, (seq, toks, mass) in enumerate(zip(launch.seqs, tokens, masses)):
                 seq.inflight -= 1
-                if not seq.finished:
+                if seq.finished or seq.preempted:
+                    pass
+                elif not launch.prefill:
                     self._advance(seq, toks, share, launch.nodes, mass)
                     touched.append(seq)
-                if seq.finished and seq.inflight == 0:
+                elif launch.last[i]:
+                    self._prefilled(seq, toks[0])
+                    touched.append(seq)
+                if (seq.finished or seq.preempted) and seq.inflight == 0:
                     self._retire(seq)
         return list({id(s): s for s in touched}.values())  # a request prefilled and stepped: once
 
     def _retire(self, seq: Sequence):
-        self.scheduler.retire(seq)
-        if self._seqs.get(seq.request_id) is seq:
+        """Pages and slot back to the scheduler: a finished request leaves, a preempted one waits again."""
+        self.scheduler.release(seq)
+        if seq.finished and self._seqs.get(seq.request_id) is seq:
             del self._seqs[seq.request_id]
 
-    def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float] | None = None,
-                 nodes: int = 0, masses: list | None = None):
-        """Apply a prefill's first token (``stage_seconds`` None) or a step's tokens (from a tree of ``nodes`` draft
-        nodes, whose ``masses`` the budget policy reads next) to ``seq``: the one place where request state
-        changes after admission."""
-        if stage_seconds is None:
-            seq.cached_len = len(seq.prompt_ids)
-        else:
-            seq.cached_len += len(tokens)
-            seq.steps += 1
-            seq.accepted += len(tokens)
-            seq.tree_sizes[nodes] = seq.tree_sizes.get(nodes, 0) + 1
-            seq.masses = masses if masses is not None else seq.masses
-            for stage, s in stage_seconds.items():
-                seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
+    def _prefilled(self, seq: Sequence, first: int):
+        """A context's last chunk is in: its KV is cached; a new request emits its first token (a resumed one chose
+        its next token before it was preempted)."""
+        seq.cached_len = seq.prefill_len
+        self.scheduler.register(seq)
+        if not seq.output_ids:
+            self._emit(seq, [first])
+
+    def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float], nodes: int,
+                 masses: list | None):
+        """Apply a step's tokens (from a tree of ``nodes`` draft nodes, whose ``masses`` the budget policy reads
+        next) to ``seq``: with :meth:`_prefilled`, the only place where request state changes after admission."""
+        seq.cached_len += len(tokens)
+        seq.steps += 1
+        seq.accepted += len(tokens)
+        seq.tree_sizes[nodes] = seq.tree_sizes.get(nodes, 0) + 1
+        seq.masses = masses if masses is not None else seq.masses
+        for stage, s in stage_seconds.items():
+            seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
         self._emit(seq, tokens)
+        self.scheduler.register(seq)
 
     def _emit(self, seq: Sequence, tokens: list[int]):
         """Append tokens one by one, stopping exactly where autoregressive decoding would. The text grows by

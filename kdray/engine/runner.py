@@ -22,7 +22,7 @@ from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, Prefil
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
 from kdray.kernels.tree_build import DraftTree, tree_build
-from kdray.model.batch import ForwardBatch, pack_bits, uniform_batch
+from kdray.model.batch import ForwardBatch, causal_tree_mask, pack_bits, uniform_batch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
@@ -62,21 +62,28 @@ class SlotState:
         self.greedy = [True] * n  # host copy: a batch of greedy slots skips the sampling path
 
     def admit(self, batch: PrefillBatch):
-        """Write the new sequences' block-table rows (unused entries point at the scratch page) and settings."""
-        width, dev = self.block_table.shape[1], self.block_table.device
-        rows = torch.full((len(batch.slots), width), self.scratch_page, dtype=torch.int32)  # [B, pages]
-        for i, pages in enumerate(batch.pages):
-            if len(pages) > width:
-                raise ValueError(f"{len(pages)} KV pages for one sequence exceed the block-table width {width}")
-            rows[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        """Write the sequences' block-table rows and sampling settings (again at every chunk: rows grow)."""
+        dev = self.block_table.device
+        self.set_pages(dict(zip(batch.slots, batch.pages)))
         idx = torch.tensor(batch.slots, device=dev)
-        self.block_table[idx] = rows.to(dev)
         self.temperature[idx] = torch.tensor([p.temperature for p in batch.params], dtype=torch.float32, device=dev)
         self.top_k[idx] = torch.tensor([p.top_k for p in batch.params], dtype=torch.int64, device=dev)
         self.top_p[idx] = torch.tensor([p.top_p for p in batch.params], dtype=torch.float32, device=dev)
         self.seeds[idx] = torch.tensor(batch.seeds, dtype=torch.int64, device=dev)
         for slot, p in zip(batch.slots, batch.params):
             self.greedy[slot] = p.greedy
+
+    def set_pages(self, pages: dict[int, list[int]]):
+        """Block-table rows ``{slot: pages}``; unused entries point at the scratch page."""
+        if not pages:
+            return
+        width, dev = self.block_table.shape[1], self.block_table.device
+        rows = torch.full((len(pages), width), self.scratch_page, dtype=torch.int32)  # [n, pages]
+        for i, row in enumerate(pages.values()):
+            if len(row) > width:
+                raise ValueError(f"{len(row)} KV pages for one sequence exceed the block-table width {width}")
+            rows[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        self.block_table[torch.tensor(list(pages), device=dev)] = rows.to(dev)
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
         """After a prefill: each slot's bonus token is its first generated one, its cached length the prompt's."""
@@ -165,32 +172,40 @@ class ModelRunner:
         return self._to_host([done.first], lambda host, _: host[0])
 
     def run_prompts(self, batch: PrefillBatch) -> Prefilled:
-        """Record the new sequences' slots, run their prompts, cache their KV; pick the first tokens."""
+        """Record the sequences' slots, run their context chunks (after their cached tokens), cache the KV; at a
+        context's last chunk, start the slot at its first token (the one chosen here, or the given root)."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         ids = torch.tensor([t for p in batch.prompts for t in p], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, lens)]).to(self.device)
         idx = torch.tensor(batch.slots, device=self.device)
-        fb = ForwardBatch.build(ids, positions, lens, [0] * len(lens), self.slots.block_table[idx], self.page_size,
-                                None)
+        # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
+        mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
+        fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
         hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
         last = fb.cu_q[1:].long() - 1  # [B]
         inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots))
         first = choose_tokens(self.target.model.logits(hidden[last]), positions[last], inputs.params)
-        self.slots.start(idx, first, positions[last] + 1)
+        given = torch.tensor([-1 if r is None else r for r in batch.roots], device=self.device)
+        first = torch.where(given >= 0, given, first)  # [B]
+        done = torch.tensor(batch.last, device=self.device)
+        self.slots.start(idx[done], first[done], positions[last][done] + 1)
         return Prefilled(first, features, positions, fb.slot_mapping)
 
     def absorb_prompts(self, batch: PrefillBatch, features: torch.Tensor, first: torch.Tensor):
-        """The drafter actor's prefill, from shard 0's results: record the new sequences' slots, write the prompts'
-        context ``features [T, F]`` into the drafter's cache and start each slot at its ``first [B]`` token."""
+        """The drafter actor's prefill, from shard 0's results: record the sequences' slots, write the chunks'
+        context ``features [T, F]`` into the drafter's cache and start the slots of last chunks at ``first [B]``."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)  # [B+1]
         idx = torch.tensor(batch.slots, device=self.device)
-        zeros = torch.zeros(len(lens), dtype=torch.int32, device=self.device)
-        rows = ForwardBatch.slots(self.slots.block_table[idx], zeros, cu, self.page_size, sum(lens))
-        self.add_context(features, torch.cat([torch.arange(n) for n in lens]).to(self.device), rows)
-        self.slots.start(idx, first, torch.tensor(lens, device=self.device))
+        starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)  # [B]
+        rows = ForwardBatch.slots(self.slots.block_table[idx], starts, cu, self.page_size, sum(lens))
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, lens)]).to(self.device)
+        self.add_context(features, positions, rows)
+        done = torch.tensor(batch.last, device=self.device)
+        ends = torch.tensor([s + n for s, n in zip(batch.starts, lens)], device=self.device)
+        self.slots.start(idx[done], first[done], ends[done])
 
     def add_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
         """Hand target features ``[n, F]`` at ``positions [n]`` to the drafter: its cache rows ``rows [n]``."""
@@ -202,6 +217,7 @@ class ModelRunner:
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """All five stages in this process (one CUDA graph per batch-size bucket and tree width on GPUs), the
         device state advanced; the tokens (and, with ``budget="auto"``, the trees' masses) on their way to the host."""
+        self.slots.set_pages(batch.pages)
         start = self._mark()
         (packed, masses), timer = self._run(self._step_fn, self._step_graphs, self.slot_index(batch.slots),
                                             greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes)
@@ -217,6 +233,7 @@ class ModelRunner:
     def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, StageTimer]:
         """The drafter actor's half: draft and build -> (the trees packed for the link ``[Bp, packed_width]``, the
         trees' masses ``[Bp, widths, L]`` or None, the timer)."""
+        self.slots.set_pages(batch.pages)
         (packed, masses), timer = self._run(self._propose_fn, self._propose_graphs, self.slot_index(batch.slots),
                                             nodes=batch.nodes)
         return packed, masses, timer
@@ -225,6 +242,7 @@ class ModelRunner:
                                                                           StageTimer]:
         """A shard's half: verify, accept and commit the packed trees, advance the slots -> (the committed
         result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the timer)."""
+        self.slots.set_pages(batch.pages)
         (packed, features), timer = self._run(self._settle_fn, self._settle_graphs, self.slot_index(batch.slots),
                                               tree, greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes)
         return packed, features, timer

@@ -1,51 +1,81 @@
-"""Continuous batching: admit waiting requests when their pages fit, pick each step's batch, retire."""
+"""Continuous batching over KV pages held as sequences grow: admission by current need, chunked prefill, the prefix
+cache, and preemption when pages run out."""
 from __future__ import annotations
 
 from collections import deque
 
-from kdray.engine.kv_pages import PagePool
+from kdray.engine.kv_pages import PagePool, extend_keys
 from kdray.engine.layout import EngineLayout
 from kdray.engine.sequence import Sequence
 
 
 class Scheduler:
-    """Requests wait in arrival order; a request is admitted with every page it can ever need (so a running
-    sequence never stalls for memory) and a free slot. One step prefills newly admitted prompts of at most
-    ``max_tokens_per_step`` tokens together (a longer prompt is admitted alone) and steps at most
-    ``max_tokens_per_step // (1 + nodes)`` running sequences, rotating through them when there are more."""
+    """Requests wait in arrival order. A request is admitted when a slot is free and the pages of its context (less
+    what the prefix cache holds) plus a step's look-ahead fit above a watermark; its context is prefilled in
+    chunks that share the step's token budget with the running sequences; a running sequence gets pages as it
+    grows, and when none are left the most recently admitted one is preempted (its KV recomputed later).
 
-    def __init__(self, pool: PagePool, layout: EngineLayout, max_tokens_per_step: int):
-        self.pool, self.max_tokens_per_step = pool, max_tokens_per_step
-        self.max_model_len, self.slack = layout.max_model_len, layout.spec.cache_slack
+    The host applies results one step after the device produces them, so a sequence may write up to
+    ``lookahead`` tokens past the cached length the host knows: two steps' accepted tokens and one step's writes.
+    """
+
+    def __init__(self, pool: PagePool, layout: EngineLayout, max_tokens_per_step: int, prefill_chunk: int):
+        self.pool, self.max_tokens_per_step, self.prefill_chunk = pool, max_tokens_per_step, prefill_chunk
+        self.max_model_len, self.page_size = layout.max_model_len, layout.page_size
         self.per_seq = 1 + layout.spec.nodes  # tokens one sequence runs per step
+        self.lookahead = 2 * (1 + layout.spec.depth) + layout.spec.cache_slack
+        self.max_pages = layout.max_pages_per_seq
+        self.watermark = max(1, pool.num_pages // 100)  # pages kept free for the running sequences to grow into
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(layout.num_slots - 1, -1, -1))
         self._turn = 0
+        self.preemptions = 0
 
-    def pages_needed(self, seq: Sequence) -> int:
-        longest = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
-        return self.pool.pages_for(longest + self.slack)
+    def pages_to_start(self, seq: Sequence) -> int:
+        """Pages a request needs to be admitted (without the prefix cache): its context and the look-ahead."""
+        return self.pool.pages_for(len(seq.context_ids) + self.lookahead)
 
     def admit(self) -> list[Sequence]:
-        """Move waiting requests into the running set while slots, step tokens and pages allow."""
-        admitted, tokens = [], 0
+        """Move waiting requests into the running set while slots and pages allow (their prefill comes in chunks)."""
+        admitted = []
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            need = self.pages_needed(seq)
-            if need > self.pool.free_pages() or (admitted and tokens + len(seq.prompt_ids) > self.max_tokens_per_step):
+            context = seq.context_ids
+            full = (len(context) - 1) // self.page_size  # the last context token is always run: its logits
+            extend_keys(seq.keys, context, self.page_size, full)
+            cached = self.pool.match(seq.keys[:full])
+            need = self.pages_to_start(seq) - len(cached)
+            reserve = self.watermark if self.running else 0
+            if need + reserve > self.pool.free_pages():
+                self.pool.release(cached)
                 break
             self.waiting.popleft()
-            seq.pages, seq.slot = self.pool.allocate(need), self._free_slots.pop()
-            tokens += len(seq.prompt_ids)
+            seq.pages, seq.slot = cached + self.pool.allocate(need), self._free_slots.pop()
+            seq.prefill_len, seq.prefilled, seq.registered = len(context), len(cached) * self.page_size, len(cached)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
+    def prefill_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """``(sequence, start, end)`` context chunks to prefill this step, at most ``budget`` tokens in all (at
+        least one chunk, so a long prompt always advances) and ``prefill_chunk`` per sequence."""
+        chunks = []
+        for seq in self.running:
+            left = seq.prefill_len - seq.prefilled
+            if left <= 0 or seq.finished or seq.preempted:
+                continue
+            n = min(left, self.prefill_chunk, budget if chunks else max(budget, self.page_size))
+            if n <= 0:
+                break
+            chunks.append((seq, seq.prefilled, seq.prefilled + n))
+            budget -= n
+        return chunks
+
     def decode_batch(self) -> list[Sequence]:
-        """Running sequences not known to have finished (their prefill is launched before any step), rotating the
-        start when the token bound cuts the list."""
-        ready = [s for s in self.running if not s.finished]
+        """Running sequences whose prefill is launched (the device runs it first) and not known to have finished,
+        rotating the start when the token bound cuts the list."""
+        ready = [s for s in self.running if not s.finished and not s.preempted and s.prefilled >= s.prefill_len]
         limit = max(1, self.max_tokens_per_step // self.per_seq)
         if len(ready) <= limit:
             return ready
@@ -54,13 +84,53 @@ class Scheduler:
         self._turn += limit
         return chosen
 
-    def retire(self, seq: Sequence):
-        """Give a finished or aborted running sequence's pages and slot back."""
+    def reserve(self, batch: list[Sequence]) -> list[Sequence]:
+        """Give each sequence of ``batch`` the pages its next step can write; when the pool runs dry, preempt the
+        most recently admitted running sequences. Returns the sequences that can step now."""
+        ready = []
+        for seq in batch:
+            need = min(self.pool.pages_for(seq.cached_len + self.lookahead), self.max_pages) - len(seq.pages)
+            while need > self.pool.free_pages():
+                victim = next((s for s in reversed(self.running) if not s.preempted and s is not seq), None)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                if victim.inflight == 0:
+                    self.release(victim)
+            if seq.preempted:
+                continue
+            if need > self.pool.free_pages():
+                continue  # its pages come back once the preempted sequences' steps in flight are applied
+            if need > 0:
+                seq.pages += self.pool.allocate(need)
+            ready.append(seq)
+        return [s for s in ready if not s.preempted]  # a victim may have been ready before a later one's need
+
+    def preempt(self, seq: Sequence):
+        """Stop ``seq`` from stepping; its pages and slot come back (:meth:`release`) once nothing in flight writes
+        them, and it waits again, first in line, to be prefilled from its context."""
+        seq.preempted = True
+        self.preemptions += 1
+
+    def release(self, seq: Sequence):
+        """Give a running sequence's pages and slot back (finished, aborted or preempted): a preempted one waits
+        again first in line, its KV to be recomputed."""
         self.pool.release(seq.pages)
         if seq in self.running:
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
             seq.slot = -1
+        if seq.preempted and not seq.finished:
+            seq.preempted, seq.prefilled, seq.cached_len, seq.registered = False, 0, 0, 0
+            self.waiting.appendleft(seq)
+
+    def register(self, seq: Sequence):
+        """Put the full pages of ``seq``'s committed tokens in the prefix cache."""
+        full = min(seq.cached_len, seq.num_tokens) // self.page_size
+        if full > seq.registered:
+            extend_keys(seq.keys, seq.prompt_ids + seq.output_ids, self.page_size, full)
+            self.pool.register(seq.pages[seq.registered:full], seq.keys[seq.registered:full])
+            seq.registered = full
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.waiting):
@@ -69,6 +139,6 @@ class Scheduler:
                 return seq
         for seq in self.running:
             if seq.request_id == request_id:
-                self.retire(seq)
+                self.release(seq)
                 return seq
         return None

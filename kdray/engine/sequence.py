@@ -15,7 +15,9 @@ class Sequence:
     hands out pages and slots).
 
     Invariant between applied steps: ``cached_len = len(prompt) + len(output) - 1``; the last output token is
-    the *bonus* (chosen by the target, not yet run through it) and is the root of the next draft tree.
+    the *bonus* (chosen by the target, not yet run through it) and is the root of the next draft tree. A
+    preempted request gives its pages back and is prefilled again later from its :attr:`context_ids` (prompt and
+    output but the bonus), keeping its output.
     """
 
     request_id: str
@@ -26,6 +28,12 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     slot: int = -1  # the runner's per-slot state (block table, sampling settings) while running
     cached_len: int = 0  # as of the last step applied (the device runs one step ahead)
+    prefill_len: int = 0  # context tokens to prefill, fixed at admission
+    prefilled: int = 0  # of those, the ones whose prefill (chunk by chunk, or from the prefix cache) is launched
+    keys: list = field(default_factory=list)  # prefix-cache chain keys of the full pages of its committed tokens
+    registered: int = 0  # pages put in the prefix cache
+    pages_sent: int = 0  # pages the runner's block-table row holds
+    preempted: bool = False  # to give its pages back once nothing in flight writes them, then wait again
     inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -37,6 +45,11 @@ class Sequence:
     tree_sizes: dict = field(default_factory=dict)  # draft nodes verified -> steps
     masses: list | None = None  # budget="auto": the latest tree's mass per candidate width and depth
     stage_seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens a prefill runs: the prompt and, after a preemption, the output but its last (the bonus)."""
+        return self.prompt_ids + self.output_ids[:-1]
 
     @property
     def num_tokens(self) -> int:

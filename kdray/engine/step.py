@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
@@ -32,13 +32,18 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """Newly admitted sequences: their slots, prompts, KV pages and sampling settings."""
+    """Context chunks to prefill: per sequence its slot, the chunk's tokens and where it starts (the tokens before
+    are cached), its KV pages, sampling settings and seed; ``last`` marks a context's final chunk, whose last
+    position gives the first token, unless ``roots`` gives the token already chosen (a preempted request resuming)."""
 
     slots: list[int]
     prompts: list[list[int]]
+    starts: list[int]
     pages: list[list[int]]
     params: list[SamplingParams]
     seeds: list[int]
+    last: list[bool]
+    roots: list[int | None]
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class StepBatch:
 
     slots: list[int]
     nodes: int
+    pages: dict[int, list[int]] = field(default_factory=dict)  # slot -> its pages, where they grew since last sent
 
 
 @dataclass

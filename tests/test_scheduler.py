@@ -1,0 +1,66 @@
+"""The scheduler for real traffic on a real (tiny) model, fp32: identical outputs with the prefix cache on and
+off, under forced preemption, and with every chunk size of chunked prefill down to one page, for AR, chain and
+DDTree, greedy and seeded sampling."""
+import pytest
+import torch
+
+from kdray import LLM, SamplingParams
+
+GEN = torch.Generator().manual_seed(5)
+SYSTEM = torch.randint(2, 1000, (37,), generator=GEN).tolist()  # a shared prefix: 2 full pages of 16 and more
+PROMPTS = [SYSTEM + torch.randint(2, 1000, (n,), generator=GEN).tolist() for n in (3, 11, 20, 6)]
+MODES = {"ar": {"spec": "ar"}, "chain": {"drafter": "random", "spec": "chain", "block_size": 4},
+         "ddtree": {"drafter": "random", "spec": "ddtree", "budget": 8, "block_size": 4}}
+PARAMS = {"greedy": SamplingParams(max_tokens=24, ignore_eos=True),
+          "seeded": SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=17)}
+
+
+def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Each mode's outputs with nothing shared, nothing chunked and room for everything."""
+    return {(m, p): tokens(LLM(model="k2-tiny", prefix_caching=False, **kw), PARAMS[p])
+            for m, kw in MODES.items() for p in PARAMS}
+
+
+@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_prefix_cache_hits_and_changes_nothing(reference, mode, params):
+    llm = LLM(model="k2-tiny", **MODES[mode])
+    assert tokens(llm, PARAMS[params]) == reference[(mode, params)]  # the first pass fills the cache
+    pool = llm.engine.scheduler.pool
+    hits = pool.hits
+    assert tokens(llm, PARAMS[params]) == reference[(mode, params)]  # the second pass reads it
+    assert pool.hits - hits >= 2 * len(PROMPTS)  # the shared system prompt's full pages, for every prompt
+
+
+@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_preempted_requests_end_exactly_as_they_would_have(reference, mode, params):
+    pages = {"ar": 8, "chain": 10, "ddtree": 10}[mode]  # two requests fit at their start, not as they grow
+    llm = LLM(model="k2-tiny", num_pages=pages, max_num_seqs=4, prefix_caching=False, **MODES[mode])
+    assert tokens(llm, PARAMS[params]) == reference[(mode, params)]
+    assert llm.engine.scheduler.preemptions > 0
+    assert llm.engine.free_pages() == pages
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 48])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_chunked_prefill_of_any_size_changes_nothing(reference, mode, chunk):
+    for params in PARAMS:
+        llm = LLM(model="k2-tiny", prefill_chunk=chunk, prefix_caching=False, **MODES[mode])
+        assert tokens(llm, PARAMS[params]) == reference[(mode, params)]
+
+
+def test_long_context_burst_is_admitted_by_use_not_by_reservation():
+    """64 chat requests without max_tokens at a 2048 context: each would reserve the whole context before; now
+    the pool (a sixteenth of 64 full contexts) holds them all at once, since each holds only what it uses."""
+    pages = 64 * 2048 // 16 // 16
+    llm = LLM(model="k2-tiny", num_pages=pages, max_num_seqs=64)
+    for i in range(64):
+        llm.engine.add_request(f"r{i}", PROMPTS[i % 4], SamplingParams(max_tokens=2048 - len(PROMPTS[i % 4]) - 1))
+    llm.engine.step()
+    assert len(llm.engine.scheduler.running) == 64
