@@ -25,8 +25,18 @@ for phase in "$@"; do
              | tee "$OUT/ray.log" | tail -25 ;;
     e2e)   python3 benchmarks/e2e.py --budgets 0 16 64 256 auto --lossless-budgets 64 auto --md "$OUT/e2e.md" \
              --json "$OUT/e2e.json" 2>"$OUT/e2e.err"; tail -5 "$OUT/e2e.err" ;;
-    serve) python3 benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --seconds 8 \
-             --md "$OUT/serve.md" 2>"$OUT/serve.err"; grep -v INFO "$OUT/serve.err" | tail -12 ;;
+    serve) python3 benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --seconds 6 \
+             --md "$OUT/serve.md" 2>"$OUT/serve.err"
+           python3 benchmarks/serve_load.py --specs ddtree:auto --workload shared-prefix --md "$OUT/serve.md" \
+             2>>"$OUT/serve.err"
+           python3 benchmarks/serve_load.py --specs ddtree:auto --workload shared-prefix --label "no prefix cache" \
+             --args '{"prefix_caching": false}' --md "$OUT/serve.md" 2>>"$OUT/serve.err"
+           for chunk in 512 8192; do
+             python3 benchmarks/serve_load.py --specs ddtree:auto --workload long-prompt --concurrency 8 \
+               --max-tokens 256 --label "prefill_chunk $chunk" --args "{\"prefill_chunk\": $chunk}" \
+               --md "$OUT/serve.md" 2>>"$OUT/serve.err"
+           done
+           cat "$OUT/serve.md" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -1,12 +1,17 @@
-"""Closed-loop HTTP load on the Serve app: streaming chat at several concurrencies, per speculative mode.
+"""HTTP load on the Serve app: streaming chat, per speculative mode and workload.
 
 For each ``--specs`` entry the benchmark deploys ``kdray.serve:app`` on a local Ray cluster (or, with ``--url``,
-loads a server that is already running), then for each concurrency C keeps C clients busy for ``--seconds``:
-each sends a streaming chat completion (greedy, ``--max-tokens``, a held-out prompt), waits for its last
-chunk, sends the next. Columns: output tokens/s of the server, time to first token p50/p99, per-request
-tokens/s after the first token (median), requests completed.
+loads a server that is already running). Workloads (``--workload``):
 
-    python benchmarks/serve_load.py --specs ar chain ddtree --concurrency 1 4 16 64 --md serve.md
+- ``chat``: for each concurrency C, C closed-loop clients for ``--seconds``, each sending a streaming chat
+  completion (greedy, ``--max-tokens``, a held-out prompt) and the next when it ends. Columns: output tokens/s
+  of the server, time to first token p50/p99, per-request tokens/s after the first token (median), requests.
+- ``shared-prefix``: requests one after another, each a ``--prefix-tokens`` system prompt shared by all and a
+  short question: time to first token p50 (compare ``--args '{"prefix_caching": false}'``).
+- ``long-prompt``: C streams decode while a ``--long-tokens`` prompt arrives every ``--long-every`` seconds:
+  the streams' gaps between chunks, median and p99 (compare ``--args '{"prefill_chunk": 100000}'``).
+
+    python benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --md serve.md
 """
 from __future__ import annotations
 
@@ -36,6 +41,11 @@ def parse_args(argv):
     ap.add_argument("--seconds", type=float, default=20.0, help="per concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--workload", choices=("chat", "shared-prefix", "long-prompt"), default="chat")
+    ap.add_argument("--prefix-tokens", type=int, default=2048, help="shared-prefix: the system prompt's length")
+    ap.add_argument("--long-tokens", type=int, default=6000, help="long-prompt: the arriving prompts' length")
+    ap.add_argument("--long-every", type=float, default=2.0, help="long-prompt: seconds between arrivals")
+    ap.add_argument("--label", default="", help="a note for the table's first column (what --args changed)")
     ap.add_argument("--md", type=Path)
     return ap.parse_args(argv)
 
@@ -48,10 +58,22 @@ def prompts(n: int = 64) -> list[str]:
     return [f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{heldout[i % len(heldout)]}" for i in range(n)]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str, text: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start, first, tokens = time.perf_counter(), None, 0
+def words(n: int) -> str:
+    """About ``n`` tokens of held-out reference text."""
+    from kdray.train_drafter import topic_passages
+
+    text, passages = "", topic_passages(2000)[1]
+    while len(text) < 4 * n:
+        text += passages[len(text) % len(passages)] + "\n\n"
+    return text[:4 * n]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, text: str, max_tokens: int,
+                      system: str | None = None) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, first, tokens, stamps = time.perf_counter(), None, 0, []
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
@@ -59,14 +81,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, text
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
-                first = time.perf_counter()
+            if any(c["delta"].get("content") for c in chunk["choices"]):
+                stamps.append(time.perf_counter())
+                first = first or stamps[-1]
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first or end
     return {"ttft": first - start, "tokens": tokens, "decode_tok_s": (tokens - 1) / (end - first) if end > first
-            else 0.0, "end": end}
+            else 0.0, "end": end, "gaps": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
 async def load(url: str, model: str, concurrency: int, seconds: float, max_tokens: int, texts: list[str]) -> dict:
@@ -92,6 +115,36 @@ async def load(url: str, model: str, concurrency: int, seconds: float, max_token
     return {"tok_s": sum(d["tokens"] for d in window) / span, "ttft_p50": statistics.median(ttft),
             "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "req_tok_s": statistics.median(d["decode_tok_s"] for d in done), "requests": len(done)}
+
+
+async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
+    """Requests one at a time, each the same long system prompt and a short question: TTFT after the first."""
+    system = words(args.prefix_tokens)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        runs = [await one_request(session, url, model, texts[i][:200], 16, system) for i in range(12)]
+    ttft = [r["ttft"] for r in runs[1:]]  # the first fills the cache
+    return {"ttft_p50": statistics.median(ttft), "ttft_first": runs[0]["ttft"]}
+
+
+async def long_prompts(url: str, model: str, args, texts: list[str], streams: int) -> dict:
+    """``streams`` decoding chats while long prompts arrive: the streams' gaps between chunks."""
+    long_text = words(args.long_tokens)
+    gaps: list[float] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        await one_request(session, url, model, texts[0], 8)
+
+        async def stream(k):
+            gaps.extend((await one_request(session, url, model, texts[k], args.max_tokens))["gaps"])
+
+        async def arrivals():
+            for i in range(3):
+                await asyncio.sleep(args.long_every)
+                await one_request(session, url, model, f"{i}: {long_text}", 1)
+
+        await asyncio.gather(arrivals(), *(stream(k) for k in range(streams)))
+    gaps.sort()
+    return {"gap_p50": statistics.median(gaps), "gap_p99": gaps[int(0.99 * (len(gaps) - 1))]}
 
 
 def deploy(spec: str, args) -> str:
@@ -124,22 +177,36 @@ def deploy(spec: str, args) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     texts = prompts()
-    rows = []
+    rows, label = [], (lambda spec: f"{spec or '(running server)'}{' ' + args.label if args.label else ''}")
     for spec in [None] if args.url else args.specs:
         url = args.url or deploy(spec, args)
+        if args.workload == "shared-prefix":
+            r = asyncio.run(shared_prefix(url, args.model, args, texts))
+            rows.append([label(spec), str(args.prefix_tokens), f"{1e3 * r['ttft_first']:.0f}",
+                         f"{1e3 * r['ttft_p50']:.0f}"])
+            continue
+        if args.workload == "long-prompt":
+            r = asyncio.run(long_prompts(url, args.model, args, texts, args.concurrency[0]))
+            rows.append([label(spec), str(args.concurrency[0]), str(args.long_tokens), f"{1e3 * r['gap_p50']:.1f}",
+                         f"{1e3 * r['gap_p99']:.1f}", f"{r['gap_p99'] / r['gap_p50']:.1f}x"])
+            continue
         for c in args.concurrency:
             r = asyncio.run(load(url, args.model, c, args.seconds, args.max_tokens, texts))
-            rows.append([spec or "(running server)", str(c), f"{r['tok_s']:.0f}", f"{1e3 * r['ttft_p50']:.0f}",
+            rows.append([label(spec), str(c), f"{r['tok_s']:.0f}", f"{1e3 * r['ttft_p50']:.0f}",
                          f"{1e3 * r['ttft_p99']:.0f}", f"{r['req_tok_s']:.0f}", str(r["requests"])])
             print(" | ".join(rows[-1]), file=sys.stderr)
-    header = ["mode", "concurrency", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "per-request tok/s",
-              "requests"]
-    title = (f"# {datetime.date.today()} serve_load: {args.model}, streaming chat, greedy, {args.max_tokens} "
-             f"tokens, closed loop, {args.seconds:.0f} s per concurrency")
+    header = {"chat": ["mode", "concurrency", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "per-request tok/s",
+                       "requests"],
+              "shared-prefix": ["mode", "shared prefix tokens", "first TTFT ms", "TTFT p50 ms (later requests)"],
+              "long-prompt": ["mode", "streams", "arriving prompt tokens", "stream gap p50 ms",
+                              "stream gap p99 ms", "p99 / p50"]}[args.workload]
+    title = (f"# {datetime.date.today()} serve_load {args.workload}: {args.model}, streaming chat, greedy, "
+             f"{args.max_tokens} tokens")
     print(title)
     table = print_table(rows, header)
     if args.md:
-        args.md.write_text(f"{title}\n\n{table}\n")
+        with args.md.open("a") as f:
+            f.write(f"{title}\n\n{table}\n\n")
     return 0
 
 

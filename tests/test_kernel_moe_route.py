@@ -1,4 +1,5 @@
-"""moe_route: the reference equals the unfused routing code (CPU), the CUDA kernel the reference (GPU)."""
+"""moe_route: the reference equals routing written from its definition (CPU), the CUDA kernel the reference
+(GPU)."""
 import pytest
 import torch
 from gpu_checks import poison_allocator
@@ -6,26 +7,30 @@ from gpu_checks import poison_allocator
 from kdray.kernels.moe_route import moe_route, moe_route_reference
 
 
-def unfused_route(logits, bias, k, n_group, topk_group, norm, scale, local):
-    """kdray.model.k2.route and MoE.forward's expert-parallel id mapping, as they were before the fused op."""
-    scores = logits.sigmoid()
-    choice = scores + bias
-    if n_group > 1:
-        T, E = choice.shape
-        grouped = choice.view(T, n_group, E // n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
-        choice = grouped.masked_fill(keep.unsqueeze(-1) == 0, 0.0).view(T, E)
-    ids = choice.topk(k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if norm:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    weights = weights * scale
-    if local is not None:
-        e0, n = local
-        inside = (ids >= e0) & (ids < e0 + n)
-        ids = torch.where(inside, ids - e0, torch.full_like(ids, -1))
-    return ids, weights
+def route_token_by_token(logits, bias, k, n_group, topk_group, norm, scale, local):
+    """Sigmoid routing from its definition, one token at a time: rank the groups by the sum of their two best
+    biased scores, keep the best ``topk_group``, take the ``k`` best biased scores among their experts, weigh
+    each by its unbiased score (normalised to sum 1, times ``scale``); with ``local = (e0, n)`` ids outside
+    ``[e0, e0 + n)`` become -1 and the rest count from e0."""
+    all_ids, all_weights = [], []
+    for row in logits:
+        score = row.sigmoid()
+        biased = score + bias
+        size = biased.shape[0] // n_group
+        best_two = [biased[g * size:(g + 1) * size].sort(descending=True).values[:2].sum() for g in range(n_group)]
+        groups = torch.stack(best_two).sort(descending=True).indices[:topk_group].tolist()
+        allowed = torch.tensor([e for e in range(biased.shape[0]) if e // size in groups])
+        ids = allowed[biased[allowed].sort(descending=True).indices[:k]]
+        weights = score[ids]
+        if norm:
+            weights = weights / (weights.sum() + 1e-20)
+        weights = weights * scale
+        if local is not None:
+            e0, n = local
+            ids = torch.where((ids >= e0) & (ids < e0 + n), ids - e0, -1)
+        all_ids.append(ids)
+        all_weights.append(weights)
+    return torch.stack(all_ids), torch.stack(all_weights)
 
 
 def logits_and_bias(T, E, device="cpu", seed=0):
@@ -48,11 +53,12 @@ CASES = [  # T, E, k, n_group, topk_group, renormalize, local experts
 
 
 @pytest.mark.parametrize("T,E,k,n_group,topk_group,norm,local", CASES)
-def test_reference_equals_unfused_code(T, E, k, n_group, topk_group, norm, local):
+def test_reference_equals_routing_by_definition(T, E, k, n_group, topk_group, norm, local):
     logits, bias = logits_and_bias(T, E)
     ids, weights = moe_route(logits, bias, k, n_group, topk_group, norm, 2.827, local)
-    ref_ids, ref_weights = unfused_route(logits, bias, k, n_group, topk_group, norm, 2.827, local)
-    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    ref_ids, ref_weights = route_token_by_token(logits, bias, k, n_group, topk_group, norm, 2.827, local)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=0)
 
 
 def test_errors_are_clear():
