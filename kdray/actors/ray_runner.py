@@ -234,10 +234,11 @@ class RayRunner:
             self.actors = actors
         try:
             return self.actors.call(plan, replies)
-        except WorkerFailure as e:
+        except Exception as e:  # noqa: BLE001 - the actors may be mid-plan: never send them another
             self.actors.release()
             self.actors = None
-            raise WorkerFailure(f"{e}\nthe engine starts new actors at its next step") from None
+            what = e if isinstance(e, WorkerFailure) else f"the step plan failed ({type(e).__name__}: {e})"
+            raise WorkerFailure(f"{what}\nthe engine starts new actors at its next step") from None
 
     def prefill(self, batch: PrefillBatch) -> list[int]:
         return self._call(prefill_plan(batch), ("shard 0",))[0]["tokens"]

@@ -76,15 +76,19 @@ class Engine:
         return self.scheduler.pool.free_pages()
 
     def step(self) -> list[RequestOutput]:
-        """Prefill what the scheduler admits, step what runs; a :class:`RunnerFailure` fails every running
-        request (their state is gone) and is raised naming them; waiting requests stay queued."""
+        """Prefill what the scheduler admits, step what runs. Any error fails every running request (their pages
+        are freed) and is raised as a :class:`RunnerFailure` naming them; waiting requests stay queued, so the
+        engine serves on."""
         try:
             touched = self._run()
-        except RunnerFailure as e:
+        except Exception as e:  # noqa: BLE001 - one step's failure must not end the engine
             failed = tuple(s.request_id for s in self.scheduler.running)
             for rid in failed:
                 self.abort_request(rid)
-            raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
+            if isinstance(e, RunnerFailure):
+                raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
+            raise RunnerFailure(f"the step failed ({type(e).__name__}: {e})\n-> request(s) {list(failed)} failed",
+                                failed) from e
         outputs = [self._output(s) for s in touched]
         for seq in touched:
             if seq.finished:

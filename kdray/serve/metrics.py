@@ -26,6 +26,7 @@ class Metrics:
                                          registry=r)
         self.finished_requests = Counter("kdray_requests_finished", "Engine requests finished, by reason",
                                          ["finish_reason"], registry=r)
+        self.restarts = Counter("kdray_engine_restarts", "Times the engine thread failed and restarted", registry=r)
         self.queue_length = Gauge("kdray_queue_length", "Requests accepted but not yet running", registry=r)
         self.running = Gauge("kdray_requests_running", "Requests running in the engine", registry=r)
         self.free_pages = Gauge("kdray_kv_free_pages", "Free KV cache pages", registry=r)

@@ -5,16 +5,42 @@ A request becomes ``len(prompts) * n`` engine requests (choice ``i * n + j`` is 
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+from kdray.actors.channel import WorkerFailure
+from kdray.engine.engine import RunnerFailure
 from kdray.engine.request import RequestOutput, SamplingParams
-from kdray.serve.async_engine import AsyncEngine, RequestStream
+from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, QueueFull, RequestStream
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                   sse, usage, validate)
 
+logger = logging.getLogger("kdray.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def api_error(e: Exception, where: str) -> APIError:
+    """The OpenAI error for an exception raised while serving ``where``: a 4xx the client can fix, a 503 worth
+    retrying, or a 500 whose details stay in the replica's log (never in the body)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFull):
+        return APIError(503, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)},
+                        type="server_overloaded")
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, EngineRestarted):
+        return APIError(503, str(e), code="engine_restarted", headers={"Retry-After": "1"})
+    if isinstance(e, WorkerFailure):
+        return APIError(503, "a shard of the engine failed while serving this request; the engine is starting "
+                        "new ones: send it again", code="worker_failed", headers={"Retry-After": "1"})
+    ref = uuid.uuid4().hex[:12]
+    logger.error("%s failed (error %s)", where, ref, exc_info=e)
+    what = "the engine step serving this request failed" if isinstance(e, RunnerFailure) else "internal error"
+    return APIError(500, f"{what}; the replica's log has the details under error {ref}", code="internal_error")
 
 
 class OpenAIServing:
@@ -33,7 +59,8 @@ class OpenAIServing:
         """``POST /v1/completions``: a response body, or SSE text when ``stream`` is true."""
         req = validate(CompletionRequest, data)
         self._check_model(req.model)
-        prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompt]
+        self._check_size(len(req.prompt), req.n)
+        prompts = [p if isinstance(p, list) else await asyncio.to_thread(self._encode, p) for p in req.prompt]
         return await self._generate(req, prompts, chat=False)
 
     async def chat(self, data: dict) -> dict | AsyncIterator[str]:
@@ -45,8 +72,9 @@ class OpenAIServing:
                            "cannot serve chat completions; use /v1/completions (with token ids when it has no "
                            "tokenizer)",
                            param="messages", code="chat_template_missing")
-        text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
-        return await self._generate(req, [self.tokenizer.encode(text)], chat=True)
+        self._check_size(1, req.n)
+        text = await asyncio.to_thread(self.tokenizer.apply_chat_template, [m.model_dump() for m in req.messages])
+        return await self._generate(req, [await asyncio.to_thread(self.tokenizer.encode, text)], chat=True)
 
     async def respond(self, url: str, body: dict) -> tuple[int, dict]:
         """One non-streaming request as ``(status, body)``: what a batch job records per line."""
@@ -58,6 +86,11 @@ class OpenAIServing:
             return 200, await handler(body)
         except APIError as e:
             return e.status, e.body()
+
+    def _check_size(self, prompts: int, n: int):
+        if prompts * n > self.engine.capacity:
+            raise APIError(400, f"n: {prompts} prompts x n={n} make {prompts * n} requests, more than this server "
+                           f"takes at once ({self.engine.capacity}); split the request", param="n")
 
     def _check_model(self, model: str):
         if model != self.model_name:
@@ -98,9 +131,6 @@ class OpenAIServing:
                                         top_k=max(req.top_k, 0), seed=None if req.seed is None else req.seed + j,
                                         stop=req.stop, ignore_eos=req.ignore_eos)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
-        if len(requests) > self.engine.capacity:
-            raise APIError(400, f"n: {len(prompts)} prompts x n={req.n} make {len(requests)} requests, more than this "
-                           f"server takes at once ({self.engine.capacity}); split the request", param="n")
         response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)))
         try:
             stream = await self.engine.generate(requests)
@@ -182,6 +212,6 @@ class _Response:
                 yield sse({**self._head(obj), "choices": [], "usage": usage(self.prompt_tokens, sum(sent_ids))})
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the status line is gone: report the error in the stream
-            yield sse(APIError(500, f"generation failed: {e}", code="engine_error").body())
+            yield sse(api_error(e, "a stream").body())
         finally:
             stream.abort()
