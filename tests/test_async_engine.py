@@ -143,7 +143,7 @@ def test_an_error_in_the_engine_thread_restarts_it_and_fails_only_what_was_in_fl
 
     runner, last = run(BrokenThread(llm.engine, after=3), scenario)
     assert last.finished and len(last.outputs[0].token_ids) == 4
-    assert runner.restarts == 1 and runner.metrics.restarts._value.get() == 1
+    assert runner.restarts == 1 and runner.metrics.restarts.local._value.get() == 1
     assert all_pages_free(llm)
 
 

@@ -170,20 +170,20 @@ def _wait_for(fn, timeout=30.0):
 
 
 def test_cancelled_requests_free_their_pages(server):
-    start = metric(server, "kdray_kv_free_pages")
+    start = metric(server, "kdray_kv_cache_free_pages")
     long = {"model": "k2-tiny", "prompt": [7, 8, 9], "max_tokens": 1500, "ignore_eos": True}
     with requests.post(f"{server}/v1/completions", json={**long, "stream": True}, stream=True, timeout=60) as r:
         events = (line for line in r.iter_lines() if line.startswith(b"data: "))
         for _ in range(3):
             assert json.loads(next(events)[6:])["choices"][0]["finish_reason"] is None
-        assert metric(server, "kdray_kv_free_pages") < start
-    _wait_for(lambda: metric(server, "kdray_kv_free_pages") == start
-              and metric(server, "kdray_requests_running") == 0)
+        assert metric(server, "kdray_kv_cache_free_pages") < start
+    _wait_for(lambda: metric(server, "kdray_kv_cache_free_pages") == start
+              and metric(server, "kdray_num_requests_running") == 0)
 
     with pytest.raises(requests.exceptions.ReadTimeout):  # a non-streaming client that gives up
         requests.post(f"{server}/v1/completions", json=long, timeout=1.5)
-    _wait_for(lambda: metric(server, "kdray_kv_free_pages") == start
-              and metric(server, "kdray_requests_running") == 0)
+    _wait_for(lambda: metric(server, "kdray_kv_cache_free_pages") == start
+              and metric(server, "kdray_num_requests_running") == 0)
 
 
 def test_full_queue_answers_503_with_retry_after(server):
@@ -199,7 +199,7 @@ def test_full_queue_answers_503_with_retry_after(server):
     finally:
         for r in held:
             r.close()
-    _wait_for(lambda: metric(f"{server}/chat", "kdray_requests_running", KEY) == 0)
+    _wait_for(lambda: metric(f"{server}/chat", "kdray_num_requests_running", KEY) == 0)
 
 
 BAD_REQUESTS = [
@@ -264,11 +264,11 @@ def test_bad_request_is_a_400_naming_the_field(server, route, body, field, param
 def test_bad_requests_hurt_no_one(server, tiny):
     """Each bad request (the engine's own checks included) is answered alone: the server keeps its pages and
     its engine, and serves the next request."""
-    start = metric(server, "kdray_kv_free_pages")
+    start = metric(server, "kdray_kv_cache_free_pages")
     for body in ({"model": "k2-tiny", "prompt": [1, 2], "max_tokens": 2, "seed": 2**63 - 1},  # the largest seed
                  {"model": "k2-tiny", "prompt": [1, 2], "max_tokens": 2, "top_k": 1 << 20, "temperature": 1}):
         assert requests.post(f"{server}/v1/completions", json=body, timeout=60).status_code == 200
-    assert metric(server, "kdray_kv_free_pages") == start
+    assert metric(server, "kdray_kv_cache_free_pages") == start
 
 
 def test_content_type_must_be_json(server):
@@ -355,14 +355,21 @@ def test_still_serving_after_bad_requests(server, tiny):
 def test_metrics_in_prometheus_format(server):
     client(f"{server}/chat", KEY).chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=4)
     text = requests.get(f"{server}/chat/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
-    for name in ("kdray_http_requests_total", "kdray_queue_length", "kdray_prompt_tokens_total",
-                 "kdray_generation_tokens_total", "kdray_time_to_first_token_seconds_count",
-                 "kdray_time_per_output_token_seconds_count", "kdray_acceptance_length_count",
+    for name in ("kdray_http_requests_total", "kdray_num_requests_running", "kdray_num_requests_waiting",
+                 "kdray_kv_cache_usage_perc", "kdray_prompt_tokens_total", "kdray_generation_tokens_total",
+                 'kdray_request_success_total{finished_reason="length"}', "kdray_time_to_first_token_seconds_count",
+                 "kdray_time_per_output_token_seconds_count", "kdray_e2e_request_latency_seconds_count",
+                 "kdray_acceptance_length_count", "kdray_spec_decode_num_drafts_total",
+                 "kdray_spec_decode_num_draft_tokens_total", "kdray_spec_decode_num_accepted_tokens_total",
+                 "kdray_engine_restarts_total",
                  'kdray_step_seconds_count{stage="total"}', 'kdray_step_seconds_count{stage="draft"}',
                  'kdray_step_seconds_count{stage="verify"}'):
         assert name in text, name
     assert metric(f"{server}/chat", "kdray_acceptance_length_count", KEY) >= 1
     assert metric(f"{server}/chat", "kdray_generation_tokens_total", KEY) >= 4
+    drafts = metric(f"{server}/chat", "kdray_spec_decode_num_drafts_total", KEY)
+    # chain drafting verifies the whole block (block size - 1 tokens) per draft
+    assert metric(f"{server}/chat", "kdray_spec_decode_num_draft_tokens_total", KEY) % drafts == 0
 
 
 def test_an_engine_that_cannot_start_reports_its_own_error(serve_cluster, tmp_path):

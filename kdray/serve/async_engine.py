@@ -104,6 +104,8 @@ class _Live:
     params: SamplingParams
     first_token: float | None = None
     stage_seconds: dict[str, float] = field(default_factory=dict)  # already counted in the step metrics
+    steps: int = 0  # speculative steps and tokens they gave, already counted
+    accepted: int = 0
     retried: bool = False  # it ran again after a failed step that it had sent nothing from
 
 
@@ -128,8 +130,7 @@ class AsyncEngine:
         self._waiting = 0  # engine.num_waiting() after the engine thread's last step
         self._wait_s = 0.0  # recent time from submission to first token (smoothed): the Retry-After estimate
         self._stopped = False
-        metrics.bind(queue_length=lambda: self._pending + self._waiting,
-                     running=lambda: max(0, len(self._live) - self._waiting), free_pages=engine.free_pages)
+        self._published: tuple = ()
         self._thread = threading.Thread(target=self._main, name="kdray-engine", daemon=True)
         self._thread.start()
 
@@ -219,6 +220,14 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 self._step()
             self._waiting = self.engine.num_waiting()
+            self._publish()
+
+    def _publish(self):
+        """Set the gauges when what they show has changed."""
+        state = (max(0, len(self._live) - self._waiting), self._pending + self._waiting, self.engine.free_pages())
+        if state != self._published:
+            self._published = state
+            self.metrics.engine_state(*state, self.engine.scheduler.pool.num_pages)
 
     def _fail_live(self, error: BaseException) -> list[str]:
         """Hand ``error`` to every request in flight; return their ids."""
@@ -283,6 +292,7 @@ class AsyncEngine:
             return
         now = time.perf_counter()
         stages: dict[str, float] = {}
+        accepted: list[int] = []  # draft tokens each speculative sequence accepted in this step
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -291,15 +301,18 @@ class AsyncEngine:
             for stage, total in out.metrics.get("seconds", {}).items():
                 stages[stage] = stages.get(stage, 0.0) + total - live.stage_seconds.get(stage, 0.0)
                 live.stage_seconds[stage] = total
+            if out.metrics.get("steps", 0) > live.steps:  # the bonus token is not a draft token
+                accepted.append(out.metrics["accepted_tokens"] - live.accepted - 1)
+                live.steps, live.accepted = out.metrics["steps"], out.metrics["accepted_tokens"]
             if live.first_token is None and out.outputs[0].token_ids:
                 live.first_token = now
                 self.metrics.first_token(now - live.submitted)
                 self._wait_s += WAIT_SMOOTHING * (now - live.submitted - self._wait_s)
             if out.finished:
                 del self._live[out.request_id]
-                self.metrics.finished(out, now - live.first_token if live.first_token else 0.0)
+                self.metrics.finished(out, now - live.first_token if live.first_token else 0.0, now - live.submitted)
             _deliver(live.loop, live.stream._put, out)
-        self.metrics.step(now - t0, stages)
+        self.metrics.step(now - t0, stages, accepted)
 
     def _fail_or_retry(self, rid: str, error: RunnerFailure):
         """A request of a failed step: once, if it has sent nothing yet, it runs again; else it gets ``error``."""

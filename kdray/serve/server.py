@@ -138,8 +138,9 @@ class KdrayServer:
     async def __init__(self, args: ServeArgs):
         self.args = args
         self.llm = await asyncio.to_thread(LLM, **args.engine_kwargs())
-        name = args.served_model_name or args.model
-        self.metrics = Metrics()
+        context, name = serve.get_replica_context(), args.served_model_name or args.model
+        self.metrics = Metrics({"app": context.app_name, "replica": context.replica_id.unique_id, "model": name},
+                               draft_tokens=self.llm.engine.scheduler.per_seq - 1)
         self.engine = AsyncEngine(self.llm.engine, args.max_num_seqs, args.max_queue, self.metrics)
         self.openai = OpenAIServing(self.engine, name)
         self.api_key = args.api_key
@@ -200,7 +201,7 @@ class KdrayServer:
                 response = JSONResponse(result)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body; the server keeps serving
             response = _error_response(api_error(e, route))
-        self.metrics.requests.labels(route, str(response.status_code)).inc()
+        self.metrics.requests.inc(route=route, status=str(response.status_code))
         return response
 
     def _authorize(self, request: Request):
