@@ -327,6 +327,20 @@ def test_fastapis_own_errors_are_openai_shaped(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
 
 
+def test_the_tp2_engine_runs_in_bundles_of_its_replicas_placement_group(server):
+    """Serve places the replica and both shard actors as one gang (STRICT_PACK, one node), each in its bundle;
+    the fractional CPUs fit small machines."""
+    import ray
+
+    (pg_id, table), = [(i, t) for i, t in ray.util.placement_group_table().items()
+                       if t["name"].startswith("SERVE_REPLICA::app-root#") and t["state"] == "CREATED"]
+    assert table["strategy"] == "STRICT_PACK" and len(set(table["bundles_to_node_id"].values())) == 1
+    assert table["bundles"] == {0: {"CPU": 0.5}, 1: {"CPU": 0.5}, 2: {"CPU": 0.5}}  # the replica, shard 0, shard 1
+    held, free = ray.cluster_resources(), ray.available_resources()
+    assert [held[f"CPU_group_{i}_{pg_id}"] for i in range(3)] == [0.5, 0.5, 0.5]
+    assert [free.get(f"CPU_group_{i}_{pg_id}", 0.0) for i in range(3)] == [0.0, 0.0, 0.0]  # each bundle in use
+
+
 def _shard_pids() -> list[int]:
     """Processes of the live shard actors of the ``/`` app (the only app with shard actors while it runs)."""
     from ray._private.state import actors

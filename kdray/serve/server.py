@@ -26,7 +26,10 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from kdray.actors.ray_runner import drafter_shares_gpu, engine_bundles
 from kdray.llm import LLM
+from kdray.model.loader import check_parallel
+from kdray.model.presets import PRESETS
 from kdray.serve.args import ServeArgs
 from kdray.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from kdray.serve.batch_store import MAX_FILES_LISTED, MAX_LISTED, BatchStore
@@ -39,10 +42,13 @@ logger = logging.getLogger("kdray.serve")
 api = FastAPI(title="kdray", description="OpenAI-compatible API over the kdray engine", docs_url=None,
               redoc_url=None, openapi_url=None)
 BATCH_LINE_TRIES = 3  # a batch line that meets a failing engine runs this many times before it is recorded
+REPLICA_CPUS = 1.0  # a replica whose engine runs in its own process
+COORDINATOR_CPUS = 0.5  # a replica whose engine's model work runs on actors: it schedules and coordinates
 MULTIPART_SLACK = 64 << 10  # bytes of multipart framing and fields allowed beyond max_file_bytes
 
 
-def _default_device() -> str:
+def _cluster_device() -> str:
+    """The device of an app built without one: cuda when the cluster (or this machine) has GPUs now."""
     import ray
     import torch
 
@@ -50,13 +56,39 @@ def _default_device() -> str:
     return "cuda" if gpus or torch.cuda.is_available() else "cpu"
 
 
+def _replica_device() -> str:
+    """The device of a replica's engine built without one: cuda when Serve gave the replica (or its placement
+    group's bundles) GPUs."""
+    import ray
+    import torch
+
+    pg = ray.util.get_current_placement_group()
+    gpus = sum(b.get("GPU", 0) for b in pg.bundle_specs) if pg is not None else 0
+    return "cuda" if gpus or torch.cuda.is_available() else "cpu"
+
+
+def replica_options(a: ServeArgs) -> dict[str, Any]:
+    """Serve options that place one replica: its CPU (and GPU, for an engine in its own process), and for an
+    engine on actors their bundles after the replica's own, STRICT_PACK, so that Serve schedules (and the
+    autoscaler provisions) the whole gang on one node. Without a device, the bundles follow the GPUs the
+    cluster has now (set ``device: cuda`` when GPU nodes join later)."""
+    gpu = (a.device or _cluster_device()).startswith("cuda")
+    if a.tp == 1 and a.distributed != "ray":
+        return {"ray_actor_options": {"num_cpus": REPLICA_CPUS, "num_gpus": 1 if gpu else 0}}
+    engine = replace(a, device="cuda" if gpu else "cpu", distributed="ray").resolve()
+    bundles, _, _ = engine_bundles(engine, drafter_shares_gpu(engine))
+    return {"ray_actor_options": {"num_cpus": COORDINATOR_CPUS, "num_gpus": 0},
+            "placement_group_bundles": [{"CPU": COORDINATOR_CPUS}, *bundles],
+            "placement_group_strategy": "STRICT_PACK"}
+
+
 def app(args: dict[str, Any]) -> Application:
-    """Serve application builder: ``args`` are :class:`ServeArgs` fields."""
+    """Serve application builder: ``args`` are :class:`ServeArgs` fields. The TP width is checked against the
+    model here when its config is readable on this node (else in the replica, before any actor starts)."""
     a = ServeArgs.parse(args or {})
-    a = replace(a, device=a.device or _default_device())
-    gpus = 1 if a.device != "cpu" and a.tp == 1 else 0  # with tp > 1 the shard actors hold the GPUs
-    options: dict[str, Any] = {"max_ongoing_requests": a.max_ongoing_requests,
-                               "ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
+    if a.model in PRESETS or Path(a.model).expanduser().exists():
+        check_parallel(a.model, a.tp, a.expert_parallel)
+    options: dict[str, Any] = {"max_ongoing_requests": a.max_ongoing_requests, **replica_options(a)}
     if a.autoscaling_config:
         options["autoscaling_config"] = a.autoscaling_config
     else:
@@ -137,7 +169,7 @@ class KdrayServer:
 
     async def __init__(self, args: ServeArgs):
         self.args = args
-        self.llm = await asyncio.to_thread(LLM, **args.engine_kwargs())
+        self.llm = await asyncio.to_thread(LLM, **(args.engine_kwargs() | {"device": args.device or _replica_device()}))
         context, name = serve.get_replica_context(), args.served_model_name or args.model
         self.metrics = Metrics({"app": context.app_name, "replica": context.replica_id.unique_id, "model": name},
                                draft_tokens=self.llm.engine.scheduler.per_seq - 1)
