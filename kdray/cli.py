@@ -63,9 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible Serve app")
-    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="where Serve listens (default: this machine only; 0.0.0.0 for every interface)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--address", help="Ray cluster address (default: start or join a local one)")
+    srv.add_argument("--replace", action="store_true", help="replace a kdray app that already runs on the cluster")
     add_setting_flags(srv, ServeArgs, "engine and server")
 
     batch = sub.add_parser("batch", help="run OpenAI Batch JSONL files").add_subparsers(dest="batch_command",
@@ -114,14 +116,36 @@ def serve_forever(args: argparse.Namespace) -> int:
     from ray import serve
 
     from kdray.serve import app
+    from kdray.serve.server import open_without_key
 
+    settings = given(args, ServeArgs)
+    warning = open_without_key(args.host, settings.get("api_key") or os.environ.get("KDRAY_API_KEY"))
+    if warning:
+        print(f"kdray serve: warning: {warning}", file=sys.stderr)
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
+    check_serve(args.host, args.port, args.replace)
     try:
-        serve.run(app(given(args, ServeArgs)), name="kdray", route_prefix="/", blocking=True)
+        serve.run(app(settings), name="kdray", route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C: tear the app down, as `serve run` does
         serve.shutdown()
     return 0
+
+
+def check_serve(host: str, port: int, replace: bool):
+    """Refuse to deploy where it would not do what was asked: Serve already running on the cluster with other
+    HTTP options (Serve would keep them), or a kdray app already there (unless ``replace``)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    running = _get_global_client().http_config
+    if (running.host, running.port) != (host, port):
+        raise ValueError(f"Serve already runs on this cluster at {running.host}:{running.port} and keeps those "
+                         f"HTTP options, so it cannot listen on {host}:{port}; run kdray serve --host {running.host} "
+                         f"--port {running.port}, or stop it first (serve shutdown)")
+    if not replace and "kdray" in serve.status().applications:
+        raise ValueError("an app named 'kdray' already runs on this cluster's Serve; pass --replace to redeploy it "
+                         "with these settings (its API key and all), or stop it first (serve shutdown)")
 
 
 def batch_submit(args: argparse.Namespace) -> int:

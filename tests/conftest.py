@@ -6,6 +6,7 @@ import pytest
 import torch
 
 RAY_CPUS = 12  # logical CPUs of the shared cluster: the Serve apps' replicas and actors, and TP = 4 engines
+METRICS_REPORT_MS = 500  # how often workers report metrics to the node's exporter (Ray's default: 10 s)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +33,7 @@ def ray_cluster():
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR")
+                 logging_level="ERROR", _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
     yield ray
     if started:
         ray.shutdown()

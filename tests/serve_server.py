@@ -79,9 +79,10 @@ class ServeCluster:
         serve.shutdown()
 
 
-def metric(base: str, name: str) -> float:
-    """One unlabelled sample of ``name`` from ``GET /metrics``."""
-    for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
+def metric(base: str, name: str, key: str | None = None) -> float:
+    """One unlabelled sample of ``name`` from ``GET /metrics`` (sending ``key`` when the app wants one there)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for line in requests.get(f"{base}/metrics", headers=headers, timeout=10).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)

@@ -1,8 +1,12 @@
-"""Batch jobs: the JSONL format and resume logic, then 50-request jobs through ``/v1/batches`` and
-``kdray batch submit`` against a real Serve instance, each killed halfway and resumed."""
+"""Batch jobs: the JSONL format (every invalid line reported), resume logic, the server's store (private
+files, retention, a stalled job failed instead of crash-looping), then 50-request jobs through ``/v1/batches``
+and ``kdray batch submit`` against a real Serve instance, each killed halfway and resumed."""
 import asyncio
+import io
 import json
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -13,8 +17,9 @@ import ray
 import requests
 
 from kdray import LLM, SamplingParams
-from kdray.serve.batch import (BatchOutput, BatchRequest, Rejected, Unsent, parse_batch_input, parse_upload, run_batch,
-                               submit)
+from kdray.serve.batch import BatchOutput, BatchRequest, Rejected, Unsent, parse_batch_input, run_batch, submit
+from kdray.serve.batch_store import MAX_STALLED_STARTS, BatchStore
+from kdray.serve.protocol import APIError
 
 
 def _line(i: int, max_tokens: int = 2, **body) -> dict:
@@ -37,20 +42,32 @@ def _results(path) -> dict[str, dict]:
 
 # ---- the file format and resume, without a server ----------------------------------------------
 
-BAD_INPUTS = [
-    ('{"custom_id": "a"\n', "line 1: not valid JSON"),
-    (json.dumps(_line(0)) + "\n" + json.dumps(_line(0)) + "\n", "line 2: custom_id 'req-0' repeats"),
-    (json.dumps({**_line(0), "url": "/v1/embeddings"}), "line 1: url must be one of"),
-    (json.dumps({**_line(0), "body": "x"}), "line 1: body must be a JSON object"),
-    (json.dumps({**_line(0), "custom_id": 3}), "line 1: custom_id must be a non-empty string"),
-    ("\n\n", "no requests"),
+BAD_LINES = [
+    ('{"custom_id": "a"', "line 2: malformed JSON"),
+    (json.dumps(_line(0)), "line 3: custom_id 'req-0' repeats"),
+    (json.dumps({**_line(1), "url": "/v1/embeddings"}), "line 4: url must be one of"),
+    (json.dumps({**_line(2), "body": "x"}), "line 5: body must be a JSON object"),
+    (json.dumps({**_line(3), "custom_id": 3}), "line 6: custom_id must be a non-empty string"),
+    (json.dumps(_line(4)).replace('"prompt": [14, 24]', '"prompt": "\\ud800"'), "line 7: body.prompt: holds a lone"),
+    ('{"custom_id": "x", "body": {"temperature": NaN}}', "line 8: malformed JSON.*NaN"),
 ]
 
 
-@pytest.mark.parametrize("text,error", BAD_INPUTS, ids=["json", "duplicate", "url", "body", "custom_id", "empty"])
-def test_bad_input_names_the_line(text, error):
-    with pytest.raises(ValueError, match=error):
-        parse_batch_input(text)
+def test_every_invalid_line_is_reported_by_number_and_the_rest_kept():
+    text = "\n".join([json.dumps(_line(0))] + [line for line, _ in BAD_LINES] + [json.dumps(_line(9))])
+    requests_, invalid = parse_batch_input(text.encode())
+    assert [r.custom_id for r in requests_] == ["req-0", "req-9"]
+    assert [p.line for p in invalid] == list(range(2, 2 + len(BAD_LINES)))
+    for problem, (_, message) in zip(invalid, BAD_LINES):
+        assert re.match(message, problem.message), problem.message
+    assert invalid[1].custom_id == "req-0" and invalid[0].custom_id is None
+
+
+def test_an_input_without_a_request_is_refused_whole():
+    with pytest.raises(ValueError, match="no requests"):
+        parse_batch_input(b"\n\n")
+    with pytest.raises(ValueError, match="no requests: line 1: malformed JSON"):
+        parse_batch_input(b"{")
 
 
 def test_output_drops_a_torn_line_and_remembers_what_is_done(tmp_path):
@@ -84,12 +101,98 @@ def test_run_batch_skips_done_ids_and_leaves_unsent_ones_for_later(tmp_path):
     assert set(_results(tmp_path / "out.jsonl")) == {"r0", "r1", "r2", "r4", "r5"}
 
 
-def test_upload_parsing_keeps_the_file_bytes():
-    content = (json.dumps(_line(0) | {"custom_id": "naïve ✓"}, ensure_ascii=False) + "\n").encode() + bytes(range(256))
-    prepared = requests.Request("POST", "http://x/v1/files", files={"file": ("in.jsonl", content)},
-                                data={"purpose": "batch"}).prepare()
-    fields, (name, data) = parse_upload(prepared.headers["Content-Type"], prepared.body)
-    assert fields == {"purpose": "batch"} and name == "in.jsonl" and data == content
+def test_kdray_batch_refuses_an_input_with_invalid_lines_naming_them_all(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([json.dumps(_line(0)), "{", json.dumps(_line(0)), json.dumps(_line(1))]))
+    with pytest.raises(ValueError, match=r"2 invalid line\(s\), nothing was sent: line 2: .*; line 3: custom_id"):
+        asyncio.run(submit(src, tmp_path / "out.jsonl", "http://127.0.0.1:9"))
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---- the server's store, without a server -------------------------------------------------------
+
+def _store(root, send=None, retention_days=None) -> BatchStore:
+    async def answer(url, body):
+        return 200, {"id": "cmpl-x"}
+
+    return BatchStore(root, send or answer, concurrency=2, max_file_bytes=1 << 20, retention_days=retention_days)
+
+
+def _finish(store: BatchStore, batch_id: str):
+    async def wait():
+        while store.get_batch(batch_id)["status"] not in ("completed", "failed", "cancelled"):
+            await asyncio.sleep(0.01)
+    return wait()
+
+
+def test_store_data_is_private_to_its_user(tmp_path):
+    root = tmp_path / "store"
+
+    async def scenario():
+        store = _store(root)
+        file = store.create_file(io.BytesIO(_jsonl(_rows(3))), "in.jsonl", "batch")
+        batch = await store.create_batch({"input_file_id": file["id"], "endpoint": "/v1/completions"})
+        await _finish(store, batch["id"])
+        await store.close()
+
+    asyncio.run(scenario())
+    paths = [root, *root.rglob("*")]
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in paths if p.is_dir()} == {"0o700"}
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in paths if p.is_file()} == {"0o600"}
+    assert len([p for p in paths if p.is_file()]) >= 6  # input, output, their records, the batch, its lock
+
+
+def test_batch_dir_is_made_on_first_use_and_a_bad_one_is_a_clear_error(tmp_path):
+    store = _store(tmp_path / "later")
+    assert not (tmp_path / "later").exists()  # nothing made until a file or batch needs it
+    assert store.list_files(None, 10, None)["data"] == []
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(APIError, match=rf"batch_dir '{blocked}/store' cannot be created .*writable directory") as e:
+        _store(blocked / "store").create_file(io.BytesIO(b"{}"), "in.jsonl", "batch")
+    assert e.value.status == 500 and e.value.code == "batch_dir_unavailable"
+
+
+def test_retention_deletes_old_finished_batches_and_uploads_but_keeps_what_is_in_use(tmp_path):
+    async def scenario():
+        store = _store(tmp_path, retention_days=1)
+        old = store.create_file(io.BytesIO(_jsonl(_rows(2))), "old.jsonl", "batch")
+        done = await store.create_batch({"input_file_id": old["id"], "endpoint": "/v1/completions"})
+        await _finish(store, done["id"])
+        unused = store.create_file(io.BytesIO(_jsonl(_rows(2))), "unused.jsonl", "batch")
+        await store.close()
+        now = time.time()
+        assert store.sweep(now) == 0  # nothing is a day old yet
+        assert store.sweep(now + 2 * 86400) == 3  # the batch, its input, the unused upload
+        for gone in (old["id"], done["output_file_id"], unused["id"]):
+            with pytest.raises(APIError, match="not found"):
+                store.get_file(gone)
+        with pytest.raises(APIError, match="not found"):
+            store.get_batch(done["id"])
+
+    asyncio.run(scenario())
+
+
+def test_a_job_whose_replicas_keep_dying_is_failed_not_restarted_forever(tmp_path):
+    async def never(url, body):  # the replica dies before any answer
+        await asyncio.Event().wait()
+
+    async def scenario():
+        store = _store(tmp_path, send=never)
+        file = store.create_file(io.BytesIO(_jsonl(_rows(2))), "in.jsonl", "batch")
+        batch = await store.create_batch({"input_file_id": file["id"], "endpoint": "/v1/completions"})
+        for _ in range(MAX_STALLED_STARTS):
+            await asyncio.sleep(0.05)
+            assert store.get_batch(batch["id"])["status"] == "in_progress"
+            task = store._tasks[batch["id"]]
+            task.cancel()  # as a replica's death ends it
+            await asyncio.gather(task, return_exceptions=True)
+            store._start(batch["id"])  # as the next replica's watcher does
+        await _finish(store, batch["id"])
+        return store.get_batch(batch["id"])
+
+    failed = asyncio.run(scenario())
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "stalled"
 
 
 # ---- against a running server -------------------------------------------------------------------
@@ -99,7 +202,7 @@ def server(serve_cluster, tmp_path_factory):
     """k2-tiny at ``/batch`` of the shared Serve instance (tests that use it are marked slow)."""
     batch_dir = tmp_path_factory.mktemp("batches")
     base = serve_cluster.deploy({"/batch": {"model": "k2-tiny", "device": "cpu", "max_num_seqs": 4,
-                                            "batch_dir": str(batch_dir)}})
+                                            "max_file_bytes": 65536, "batch_dir": str(batch_dir)}})
     return f"{base}/batch", batch_dir
 
 
@@ -152,19 +255,68 @@ def test_batch_of_50_through_the_batches_api(server, tmp_path):
 
 
 @pytest.mark.slow
-def test_batches_api_rejects_bad_input(server):
+def test_invalid_lines_are_reported_one_by_one_and_the_rest_runs(server):
+    """The audit's job: a line whose top_k once stopped the engine, beside malformed and duplicate lines."""
     base, _ = server
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    dup = client.files.create(file=("dup.jsonl", _jsonl([_line(1), _line(1)])), purpose="batch")
-    with pytest.raises(openai.BadRequestError, match="line 2: custom_id 'req-1' repeats"):
-        client.batches.create(input_file_id=dup.id, endpoint="/v1/completions", completion_window="24h")
-    with pytest.raises(openai.BadRequestError, match="differs from the batch's endpoint"):
-        client.batches.create(input_file_id=dup.id, endpoint="/v1/chat/completions", completion_window="24h")
+    lines = [_line(0), _line(1, top_k=2**63), "{not json", _line(0), {"custom_id": "x", "url": "/v1/embeddings"},
+             _line(2)] + [_line(i) for i in range(3, 7)]
+    data = "".join((json.dumps(r) if isinstance(r, dict) else r) + "\n" for r in lines).encode()
+    file = client.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = _poll_batch(client, client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
+                                                      completion_window="24h").id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 6, 4)
+    assert [e.line for e in batch.errors.data] == [3, 4, 5]
+    errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [(e["error"]["line"], e["custom_id"]) for e in errors] == [(3, None), (4, "req-0"), (5, "x")]
+    output = {json.loads(line)["custom_id"]: json.loads(line) for line in
+              client.files.content(batch.output_file_id).text.splitlines()}
+    assert output["req-1"]["response"]["status_code"] == 400  # the top_k line failed alone
+    assert "top_k" in output["req-1"]["response"]["body"]["error"]["message"]
+    assert sorted(output) == ["req-0", "req-1", "req-2", "req-3", "req-4", "req-5", "req-6"]
+
+    with pytest.raises(openai.BadRequestError, match="no requests: line 1: url /v1/completions differs"):
+        client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_0123456789abcdef01234567")
     r = requests.post(f"{base}/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/completions"},
                       timeout=10)
     assert r.status_code == 404 and r.json()["error"]["param"] == "file_id"
+
+
+@pytest.mark.slow
+def test_files_are_listed_deleted_and_bounded(server, tmp_path):
+    base, batch_dir = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    file = client.files.create(file=("in.jsonl", _jsonl(_rows(2))), purpose="batch")
+    assert file.id in [f.id for f in client.files.list(purpose="batch")]
+    assert stat.S_IMODE((batch_dir / "files" / f"{file.id}.jsonl").stat().st_mode) == 0o600
+    assert stat.S_IMODE((batch_dir / "files").stat().st_mode) == 0o700
+
+    busy = client.files.create(file=("slow.jsonl", _jsonl(_rows(8, slow=True))), purpose="batch")
+    batch = client.batches.create(input_file_id=busy.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.ConflictError, match="belongs to batch"):
+        client.files.delete(busy.id)
+    _poll_batch(client, batch.id)
+    for file_id in (file.id, busy.id):
+        assert client.files.delete(file_id).deleted
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(file_id)
+
+    r = requests.post(f"{base}/v1/files", files={"file": ("big.jsonl", b"x" * 70_000)}, data={"purpose": "batch"},
+                      timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] in ("file_too_large", "request_too_large")
+    r = requests.post(f"{base}/v1/files", data=_jsonl(_rows(1)), headers={"Content-Type": "application/jsonl"},
+                      timeout=30)
+    assert r.status_code == 415
+    r = requests.post(f"{base}/v1/files", data=b"--x\r\nbroken", timeout=30,
+                      headers={"Content-Type": "multipart/form-data; boundary=x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    page = requests.get(f"{base}/v1/batches?limit=1", timeout=10).json()
+    assert len(page["data"]) == 1 and page["has_more"]
+    rest = requests.get(f"{base}/v1/batches?limit=100&after={page['last_id']}", timeout=10).json()
+    assert page["last_id"] not in [b["id"] for b in rest["data"]] and rest["data"]
 
 
 @pytest.mark.slow

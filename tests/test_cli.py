@@ -1,5 +1,5 @@
 """The ``kdray`` command: flags generated from the settings dataclasses, ``generate`` on token ids and
-through a chat template."""
+through a chat template, ``serve``'s safe defaults."""
 import dataclasses
 
 import pytest
@@ -7,9 +7,10 @@ import torch
 from serve_server import make_chat_checkpoint
 
 from kdray import LLM, SamplingParams
-from kdray.cli import _parser, given, main
+from kdray.cli import _parser, check_serve, given, main
 from kdray.engine.args import EngineArgs
 from kdray.serve.args import ServeArgs
+from kdray.serve.server import open_without_key
 
 
 def greedy_ids(llm, prompt, n):
@@ -80,3 +81,38 @@ def test_cli_generate_uses_the_chat_template_unless_raw(capsys, tmp_path):
         seen.append(capsys.readouterr().out.rstrip("\n"))
         assert seen[-1] == tok.decode(expect)
     assert seen[0] != seen[1]  # the template changed what the model saw
+
+
+def test_kdray_serve_listens_on_this_machine_unless_told_otherwise():
+    assert _parser().parse_args(["serve"]).host == "127.0.0.1"
+    assert open_without_key("127.0.0.1", None) is None and open_without_key("::1", None) is None
+    assert open_without_key("localhost", None) is None and open_without_key("0.0.0.0", "sk-x") is None
+    assert "no API key is set" in open_without_key("0.0.0.0", None)
+    assert "no API key is set" in open_without_key("10.0.0.5", None)
+
+
+def test_kdray_serve_warns_when_it_listens_beyond_loopback_without_a_key(monkeypatch, capsys):
+    import ray
+
+    monkeypatch.delenv("KDRAY_API_KEY", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("stop here")))
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "warning: Serve listens on 0.0.0.0 and no API key is set" in capsys.readouterr().err
+    assert main(["serve", "--host", "0.0.0.0", "--api-key", "sk-x"]) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_kdray_serve_refuses_a_running_serve_with_other_http_options(serve_cluster, monkeypatch):
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    with pytest.raises(ValueError, match=rf"already runs on this cluster at 127.0.0.1:{serve_cluster.port} .* "
+                                         rf"--port {serve_cluster.port}"):
+        check_serve("127.0.0.1", serve_cluster.port + 1, replace=False)
+    check_serve("127.0.0.1", serve_cluster.port, replace=False)  # the same options, no kdray app: go ahead
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"kdray": None}))
+    with pytest.raises(ValueError, match="an app named 'kdray' already runs.*--replace"):
+        check_serve("127.0.0.1", serve_cluster.port, replace=False)
+    check_serve("127.0.0.1", serve_cluster.port, replace=True)

@@ -1,8 +1,15 @@
 """The engine on Ray actors (CPU: gloo groups, a local cluster): token for token the in-process greedy
-DDTree output at TP = 2 and 4, with expert parallelism and on INT4 checkpoints; a killed shard fails its
-request with a clear error, and the engine then serves the next one."""
+DDTree output at TP = 2 and 4, with expert parallelism, on INT4 checkpoints and with a vocabulary the width
+does not divide; a killed shard fails its request with a clear error, and the engine then serves the next
+one."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -60,6 +67,22 @@ def small_vocab(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def vocab211(tmp_path_factory):
+    """k2-tiny with a vocabulary of 211 tokens (a prime): no TP width but 1 divides it."""
+    cfg = dict(K2_TINY, vocab_size=211, eos_token_id=None)
+    path = tmp_path_factory.mktemp("vocab211")
+    write_checkpoint(path, cfg, k2_random_tensors(K2Config.from_hf(cfg), seed=7))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_vocabulary_the_width_does_not_divide_is_padded(cluster, vocab211):
+    prompts = [[t % 211 for t in p] for p in PROMPTS]
+    reference = generate(vocab211, prompts, 16)
+    assert generate(vocab211, prompts, 16, tp=2, distributed="ray") == reference
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp):
@@ -110,6 +133,32 @@ def test_killed_shard_fails_its_request_clearly_and_the_next_succeeds(cluster, s
         assert len(failure.value.request_ids) == 1
         assert tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
         assert llm.engine.runner.actors is not first
+
+
+TWO_CORES = """
+import json, ray
+from kdray import LLM, SamplingParams
+llm = LLM(model="k2-tiny", drafter="random", spec="ddtree", budget=16, block_size=4, num_pages=96, tp=2,
+          distributed="ray", place_timeout_s=60)
+out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+print(json.dumps([ray.cluster_resources()["CPU"], out[0].outputs[0].token_ids]))
+"""
+
+
+@pytest.mark.slow
+def test_tp2_and_its_drafter_place_on_a_two_core_machine_without_a_hand_made_ray_init():
+    """``LLM(tp=2, distributed="ray")`` starts Ray itself on a machine of two cores (Ray told so, and told to
+    start its own instance rather than join one running here), and its two shards and drafter fit."""
+    ray_dir = tempfile.mkdtemp(prefix="kr")  # short: Ray's sockets live under it
+    env = os.environ | {"RAY_ADDRESS": "local", "RAY_OVERRIDE_RESOURCES": '{"CPU": 2}', "RAY_TMPDIR": ray_dir}
+    try:
+        done = subprocess.run([sys.executable, "-c", TWO_CORES], env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cpus, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert cpus == 2 and tokens == generate("k2-tiny", [[5, 6, 7]], 8)[0]
 
 
 def test_group_join_timeout_names_the_absent_rank():

@@ -1,13 +1,18 @@
-"""OpenAI request handling without a server: how many tokens a request may generate, and what reaches the chat
-template (and what a template error answers)."""
+"""OpenAI request handling without a server: how many tokens a request may generate, what reaches the chat
+template (and what a template error answers), tokenization off the event loop, and which error (status, type,
+code) each failure becomes."""
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
 
+from kdray.actors.channel import WorkerFailure
+from kdray.engine.engine import RunnerFailure
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
+from kdray.serve.async_engine import EngineDead, EngineRestarted, QueueFull
 from kdray.serve.protocol import METADATA_FIELDS, APIError, ChatCompletionRequest, CompletionRequest, validate
-from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing
+from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing, api_error
 
 CONTEXT = 64
 
@@ -50,7 +55,7 @@ RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "12°C"}
 
 def serving_with_template(template: str) -> OpenAIServing:
     tok = Tokenizer(TiktokenBackend(BYTES, {}), chat_template=template)
-    return OpenAIServing(SimpleNamespace(engine=SimpleNamespace(tokenizer=tok, max_model_len=CONTEXT)), "m")
+    return OpenAIServing(SimpleNamespace(engine=SimpleNamespace(tokenizer=tok, max_model_len=CONTEXT), capacity=4), "m")
 
 
 def rendered(serving: OpenAIServing, **fields) -> str:
@@ -110,3 +115,48 @@ def test_metadata_fields_are_accepted():
     fields = {"user": "client-7", "safety_identifier": "client-7", "metadata": {"team": "a"}}
     assert set(fields) == set(METADATA_FIELDS)
     assert validate(CompletionRequest, {"model": "m", "prompt": "x", **fields}).user == "client-7"
+
+
+class BlockingTokenizer(Tokenizer):
+    """``encode`` waits until ``release`` is set: only a tokenizer run off the event loop lets the loop set it."""
+
+    def __init__(self):
+        super().__init__(TiktokenBackend(BYTES, {}))
+        self.release = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if not self.release.wait(timeout=10):
+            raise TimeoutError("the event loop was blocked while tokenizing")
+        return [1, 2, 3]
+
+
+def test_tokenization_runs_off_the_event_loop():
+    tokenizer = BlockingTokenizer()
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, max_model_len=CONTEXT), capacity=4)
+    server = OpenAIServing(engine, "m")
+
+    async def scenario():
+        server._generate = lambda req, prompts, chat, echo: asyncio.sleep(0, prompts)  # stop before the engine
+        pending = asyncio.ensure_future(server.completions({"model": "m", "prompt": "a long text"}))
+        await asyncio.sleep(0.05)  # the loop runs while the tokenizer works
+        tokenizer.release.set()
+        return await pending
+
+    assert asyncio.run(scenario()) == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("error,status,kind,code", [
+    (QueueFull(8, retry_after=7), 503, "server_overloaded", "queue_full"),
+    (EngineDead("the engine failed and could not be reset"), 503, "server_error", "engine_dead"),
+    (EngineRestarted("send it again"), 503, "server_error", "engine_restarted"),
+    (WorkerFailure("shard 1 died (its channel closed)", ("r",)), 503, "server_error", "worker_failed"),
+    (RunnerFailure("the step failed (ValueError: boom)", ("r",)), 500, "server_error", "internal_error"),
+    (RuntimeError("secret detail"), 500, "server_error", "internal_error"),
+])
+def test_errors_are_typed_and_carry_no_exception_text(error, status, kind, code):
+    err = api_error(error, "/v1/completions")
+    body = err.body()["error"]
+    assert (err.status, body["type"], body["code"]) == (status, kind, code)
+    assert "secret detail" not in body["message"] and "Error(" not in body["message"]
+    if code == "queue_full":
+        assert err.headers["Retry-After"] == "7"

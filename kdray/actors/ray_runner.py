@@ -2,6 +2,10 @@
 group), :class:`RayModels` (what the engine builder loads and starts for ``distributed="ray"``) and
 :class:`RayRunner`, the runner the engine steps.
 
+:func:`engine_bundles` is the placement: one bundle per shard (one GPU each) and one for the drafter. A Serve
+replica asks Serve for these bundles after its own (STRICT_PACK), so that Serve schedules and autoscales the
+whole gang; the engine's actors then take them. Elsewhere the engine makes its own placement group.
+
 The engine (and so the coordination) lives in the process that owns it (the ``LLM``'s, or a Serve replica's):
 a step costs no Ray call. One msgpack plan goes to every actor loop over the channel, and shard 0's and the
 drafter's replies come back; tensors move between the actors over their groups (NCCL on GPUs, gloo on CPUs).
@@ -24,12 +28,43 @@ from kdray.actors.worker import LoadReport, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
 from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds
-from kdray.model.loader import resolve_model
+from kdray.model.loader import check_parallel, resolve_model
 from kdray.model.presets import PRESETS
 
 ShardActor = ray.remote(ShardWorker)
 DrafterActor = ray.remote(DrafterWorker)
 JOIN_MARGIN_S = 10.0  # the engine waits this much longer than the ranks themselves
+WORKER_CPUS = 0.5  # CPUs a shard or drafter asks for: a TP = 2 engine and its drafter place on two cores
+
+
+def drafter_shares_gpu(args: EngineArgs) -> bool:
+    """Whether the drafter takes half of shard 0's GPU: when no live node has a GPU for it beside the shards'
+    (or none has GPUs yet)."""
+    if not args.device.startswith("cuda") or args.drafter is None:
+        return False
+    per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    return per_node < args.tp + 1
+
+
+def engine_bundles(args: EngineArgs, shared: bool) -> tuple[list[dict], list[int], list[float]]:
+    """The placement of one engine's actors (``args`` resolved): its bundles (one per shard, one for the drafter
+    unless it ``shared`` shard 0's GPU), and per rank (shards, then the drafter) its bundle and GPU share."""
+    gpu, drafter = args.device.startswith("cuda"), args.drafter is not None
+    shared = shared and gpu and drafter
+    bundles = [{"CPU": WORKER_CPUS, "GPU": 1} if gpu else {"CPU": WORKER_CPUS}
+               for _ in range(args.tp + (drafter and not shared))]
+    homes, parts = list(range(args.tp + drafter)), [1.0] * (args.tp + drafter)
+    if shared:
+        bundles[0] = {"CPU": 2 * WORKER_CPUS, "GPU": 1}
+        homes[-1], parts[0], parts[-1] = 0, 0.5, 0.5
+    return bundles, homes, parts
+
+
+def _same_bundles(found: list[dict], wanted: list[dict]) -> bool:
+    def norm(bundle: dict) -> dict:
+        return {k: float(v) for k, v in bundle.items() if v}
+
+    return len(found) == len(wanted) and all(norm(f) == norm(w) for f, w in zip(found, wanted))
 
 
 def connect_ray():
@@ -65,50 +100,54 @@ class _Held:
 class EngineActors:
     """The actors of one engine: ``tp`` shards and (unless AR) a drafter, in one STRICT_PACK placement group
     with one bundle per shard and one for the drafter (or, when no node has a GPU to spare, the drafter takes
-    half of shard 0's GPU, in shard 0's bundle)."""
+    half of shard 0's GPU, in shard 0's bundle): the current one when it holds those bundles after its first
+    (a Serve replica's), else one of their own."""
 
     def __init__(self, args: EngineArgs):
         self.args = args
         self._held = _Held()
         self._release = weakref.finalize(self, self._held.release)
+        self.placement_group = None
         self.shards: list = []
         self.drafter = None
         self.loops: dict[str, ray.ObjectRef] = {}
         self.groups: dict[str, tuple[str, int]] = {}  # group name -> (backend, size), once launched
 
     @property
-    def placement_group(self):
-        return self._held.pg
-
-    @property
     def actors(self) -> dict[str, object]:
         named = {f"shard {r}": a for r, a in enumerate(self.shards)}
         return named | ({"drafter": self.drafter} if self.drafter is not None else {})
 
-    def _drafter_shares_gpu(self) -> bool:
-        if not self.args.device.startswith("cuda") or self.args.drafter is None:
-            return False
-        per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-        return per_node < self.args.tp + 1
+    def _place(self) -> tuple[int, list[int], list[float]]:
+        """Take the current placement group's bundles after its first if they are this engine's, else make and
+        wait for a placement group of this engine's own; return the first engine bundle's index and per rank
+        its bundle (from there) and GPU share."""
+        a, current = self.args, ray.util.get_current_placement_group()
+        if current is not None:
+            for shared in (False, True):
+                bundles, homes, parts = engine_bundles(a, shared)
+                if _same_bundles(current.bundle_specs[1:], bundles):
+                    self.placement_group = current
+                    return 1, homes, parts
+        bundles, homes, parts = engine_bundles(a, drafter_shares_gpu(a))
+        pg = self.placement_group = self._held.pg = placement_group(bundles, strategy="STRICT_PACK")
+        if not ray.wait([pg.ready()], timeout=a.place_timeout_s)[0]:
+            raise RuntimeError(f"Ray could not place {bundles} on one node within {a.place_timeout_s:.0f} s "
+                               f"(available: {ray.available_resources()}); free resources or lower tp")
+        return 0, homes, parts
 
     def launch(self) -> list[LoadReport]:
         """Place the actors, join their groups (warmed, bounded), load the weights; one report per actor, in
         rank order (shards, then the drafter)."""
         a = self.args
-        gpu, shared, drafter = a.device.startswith("cuda"), self._drafter_shares_gpu(), a.drafter is not None
-        bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(a.tp + (drafter and not shared))]
-        homes, parts = list(range(a.tp + drafter)), [1.0] * (a.tp + drafter)  # bundle and GPU fraction per rank
-        if shared:
-            bundles[0] = {"CPU": 2, "GPU": 1}
-            homes[-1], parts[0], parts[-1] = 0, 0.5, 0.5
-        pg = self._held.pg = placement_group(bundles, strategy="STRICT_PACK")
-        if not ray.wait([pg.ready()], timeout=a.place_timeout_s)[0]:
-            raise RuntimeError(f"Ray could not place {bundles} on one node within {a.place_timeout_s:.0f} s "
-                               f"(available: {ray.available_resources()}); free resources or lower tp")
+        gpu, drafter = a.device.startswith("cuda"), a.drafter is not None
+        first, homes, parts = self._place()
+        shared = drafter and parts[-1] < 1  # the drafter has half of shard 0's GPU
         for rank, (home, part) in enumerate(zip(homes, parts)):
             actor = (ShardActor if rank < a.tp else DrafterActor).options(
-                num_cpus=1, num_gpus=part if gpu else 0, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=home),
+                num_cpus=WORKER_CPUS, num_gpus=part if gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                     placement_group_bundle_index=first + home),
             ).remote(rank, a, part)
             if rank < a.tp:
                 self.shards.append(actor)
@@ -140,7 +179,8 @@ class EngineActors:
         self._gather([actor.setup.remote(layout) for actor in actors.values()], self.args.load_timeout_s,
                      "build their runners")
         here = ray.get_runtime_context().get_node_id()
-        same_node = set(ray.util.placement_group_table(self._held.pg)["bundles_to_node_id"].values()) == {here}
+        nodes = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"].values()
+        same_node = set(nodes) == {here}
         server = self._held.server = PlanServer(None if same_node else ray.util.get_node_ip_address())
         self.loops = {name: actor.run.remote(server.address) for name, actor in actors.items()}
         server.accept(list(self.loops), self.args.join_timeout_s, self.check)
@@ -185,6 +225,7 @@ class RayModels:
     the facts; ``start`` builds their runners and returns the :class:`RayRunner`."""
 
     def __init__(self, args: EngineArgs):
+        check_parallel(args.model, args.tp, args.expert_parallel)  # before any actor starts
         connect_ray()
         if args.model in PRESETS:  # written on first use: once here, not by every actor of this node at once
             resolve_model(args.model)
@@ -243,11 +284,12 @@ class RayRunner:
         def guarded(fn):
             try:
                 return fn()
-            except WorkerFailure as e:
+            except Exception as e:  # noqa: BLE001 - the actors may be mid-plan: never send them another
                 actors.release()
                 if self.actors is actors:
                     self.actors = None
-                raise WorkerFailure(f"{e}\nthe engine starts new actors at its next step") from None
+                what = e if isinstance(e, WorkerFailure) else f"the step plan failed ({type(e).__name__}: {e})"
+                raise WorkerFailure(f"{what}\nthe engine starts new actors at its next step") from None
 
         guarded(lambda: actors.send(plan))
         return lambda: guarded(lambda: actors.wait(replies))

@@ -102,23 +102,26 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step on the device, then apply the one before it while this one runs: the host is one
-        step behind. Prefill what the scheduler admits, step what runs (the newly admitted among them), report
-        every request that emitted tokens or finished. Tokens a request produced after its end (found one step
-        late) are discarded; its pages come back once no step in flight can write them.
+        step behind. Prefill what the scheduler admits, step what runs, report every request that emitted tokens
+        or finished. Tokens a request produced after its end (found one step late) are discarded; its pages come
+        back once no step in flight can write them.
 
-        A :class:`RunnerFailure` fails every running request (their state is gone) and is raised naming them;
-        waiting requests stay queued."""
+        Any error fails every running request (their state is gone, their pages freed) and is raised as a
+        :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
         try:
             launched = self._launch()
             previous, self._inflight = self._inflight, launched
             touched = self._collect(previous, time.perf_counter())
-        except RunnerFailure as e:
+        except Exception as e:  # noqa: BLE001 - one step's failure must not end the engine
             failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
             self._inflight = []
             for seq in list(self.scheduler.running):
                 seq.inflight = 0
                 self.abort_request(seq.request_id)
-            raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
+            if isinstance(e, RunnerFailure):
+                raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
+            raise RunnerFailure(f"the step failed ({type(e).__name__}: {e})\n-> request(s) {list(failed)} failed",
+                                failed) from e
         return [self._output(s) for s in touched]
 
     def drain(self) -> list[RequestOutput]:

@@ -1,7 +1,12 @@
 """What users pass in (``SamplingParams``) and get back (``RequestOutput``), following vLLM's names."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_SEED = 2**63 - 1  # seeds are int64 on the device; the engine draws its own from 63 bits
+MAX_TOP_K = 1 << 20  # beyond any vocabulary, where top_k is the same as off
+MAX_TOKENS = 1 << 24  # beyond any context length
 
 
 @dataclass
@@ -23,16 +28,15 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-             "max_tokens", "an integer >= 1"),
-            (isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "a number >= 0"),
-            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "an integer or None"),
+            (_whole(self.max_tokens, 1, MAX_TOKENS), "max_tokens", f"an integer in [1, {MAX_TOKENS}]"),
+            (_real(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0"),
+            (_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+            (_whole(self.top_k, 0, MAX_TOP_K), "top_k", f"an integer in [0, {MAX_TOP_K}] (0 disables it)"),
+            (self.seed is None or _whole(self.seed, 0, MAX_SEED), "seed", "None or an integer in [0, 2^63 - 1]"),
         ]
         for ok, name, what in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be {what}")
+                raise ValueError(f"SamplingParams.{name}={_shown(getattr(self, name))} must be {what}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -45,6 +49,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _whole(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _shown(value) -> str:
+    """``value`` for an error message: short, even for an integer too long to print."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<a {value.bit_length()}-bit integer>"
+    return repr(value)[:80]
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass

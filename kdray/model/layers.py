@@ -16,7 +16,7 @@ from kdray.config import Llama3Scaling, YarnScaling
 from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.parallel import SINGLE, shard_range
+from kdray.model.parallel import SINGLE, shard_range, vocab_range
 
 
 class RMSNorm(nn.Module):
@@ -74,13 +74,23 @@ class Linear(nn.Module):
         self.weight.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
 
 
+def load_vocab_rows(weight: torch.Tensor, reader: CheckpointReader, name: str, vocab: int, start: int):
+    """Fill ``weight`` (this rank's rows of a padded vocabulary, from ``start``) from the checkpoint tensor
+    ``name`` of ``vocab`` rows; the padding rows are zeros."""
+    stop = min(start + weight.shape[0], vocab)
+    weight.zero_()
+    if stop > start:
+        weight[:stop - start].copy_(reader.get(name, (vocab, weight.shape[1]), (0, start, stop)))
+
+
 class VocabEmbedding(nn.Module):
-    """Token embedding split by vocabulary rows across the group; lookups all-reduce the partial rows."""
+    """Token embedding split by vocabulary rows across the group (the vocabulary padded to a multiple of its
+    width); lookups all-reduce the partial rows."""
 
     def __init__(self, vocab: int, dim: int, dtype: torch.dtype, group=SINGLE):
         super().__init__()
         self.vocab, self.group = vocab, group
-        self.start, self.end = shard_range(vocab, group, "vocab_size")
+        self.start, self.end = vocab_range(vocab, group)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -91,15 +101,18 @@ class VocabEmbedding(nn.Module):
         return self.group.all_reduce(out * local.unsqueeze(-1).to(out.dtype))
 
     def load(self, reader: CheckpointReader, name: str):
-        self.weight.copy_(reader.get(name, (self.vocab, self.weight.shape[1]), (0, self.start, self.end)))
+        load_vocab_rows(self.weight, reader, name, self.vocab, self.start)
 
 
 class LMHead(nn.Module):
-    """Vocabulary-parallel output projection: each rank computes its slice, gathered to full logits."""
+    """Vocabulary-parallel output projection: each rank computes its slice of the padded vocabulary, gathered
+    to full logits (the padding cut off)."""
 
     def __init__(self, dim: int, vocab: int, dtype: torch.dtype, group=SINGLE):
         super().__init__()
-        self.proj = Linear(dim, vocab, dtype, tp_dim=0, group=group)
+        self.vocab = vocab
+        self.start, end = vocab_range(vocab, group)
+        self.proj = Linear(dim, (end - self.start) * group.size, dtype, tp_dim=0, group=group)  # padded vocab
 
     @property
     def weight(self) -> nn.Parameter:
@@ -113,10 +126,11 @@ class LMHead(nn.Module):
             logits = torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
         else:
             logits = F.linear(h, w).float()
-        return self.proj.group.all_gather(logits, dim=-1)
+        logits = self.proj.group.all_gather(logits, dim=-1)
+        return logits if logits.shape[-1] == self.vocab else logits[..., :self.vocab].contiguous()
 
     def load(self, reader: CheckpointReader, name: str):
-        self.proj.load(reader, name)
+        load_vocab_rows(self.proj.weight, reader, name, self.vocab, self.start)
 
 
 class GatedMLP(nn.Module):

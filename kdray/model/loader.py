@@ -54,6 +54,56 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+def model_config(model: str):
+    """The config of ``model`` (a preset or a path), read without its weights."""
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        from kdray.model.gguf import open_gguf
+
+        return open_gguf(path)[0]
+    return load_model_config(path)
+
+
+@dataclass(frozen=True)
+class _Width:
+    """Rank 0 of a tensor-parallel group of ``size``, for building a shard's shapes only (no collective runs)."""
+
+    size: int
+    rank: int = 0
+
+
+def check_parallel(model: str, tp: int, expert_parallel: bool = False):
+    """Refuse a TP width (with expert parallelism: the experts split by id) that the model's heads, experts or
+    widths do not divide, before any weight is read. The ``ValueError`` names the dimension, the numbers and the
+    widths that fit."""
+    if tp == 1:
+        return
+    cfg = model_config(model)
+    problem = _misfit(cfg, tp, expert_parallel)
+    if problem is not None:
+        widths = ", ".join(str(w) for w in range(1, 9) if _misfit(cfg, w, expert_parallel) is None)
+        raise ValueError(f"tp={tp}{' with expert_parallel' if expert_parallel else ''} does not fit model "
+                         f"'{model}': {problem}; widths up to 8 that fit: {widths}")
+
+
+def _misfit(cfg, width: int, expert_parallel: bool) -> str | None:
+    """Why rank 0's shard at TP ``width`` cannot be built (on the meta device, where every split is checked), or
+    None when it can."""
+    try:
+        with torch.device("meta"):
+            _target(cfg, torch.float32, _Width(width), expert_parallel)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _target(cfg, dtype: torch.dtype, group, expert_parallel: bool) -> TargetHead:
+    """An unloaded target for ``cfg`` (its architecture's model), this rank's shard of it."""
+    if cfg.architecture == "k2":
+        return K2Model(cfg, dtype, group, expert_parallel)
+    return LlamaModel(cfg, dtype, group)
+
+
 def open_checkpoint(path: Path):
     """(config, tensor reader with ``get`` and ``close``, tokenizer or None) of an HF directory or a GGUF file."""
     if path.suffix == ".gguf":
@@ -70,12 +120,7 @@ def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | 
     torch_dtype = parse_dtype(dtype)
     cfg, reader, tokenizer = open_checkpoint(resolve_model(model))
     with torch.device(device):
-        if head_only:
-            net = TargetHead(cfg, torch_dtype)
-        elif cfg.architecture == "k2":
-            net = K2Model(cfg, torch_dtype, group, expert_parallel)
-        else:
-            net = LlamaModel(cfg, torch_dtype, group)
+        net = TargetHead(cfg, torch_dtype) if head_only else _target(cfg, torch_dtype, group, expert_parallel)
     try:
         with torch.no_grad():
             net.load(reader)

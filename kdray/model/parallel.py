@@ -27,6 +27,13 @@ class SingleGroup:
 SINGLE = SingleGroup()
 
 
+def vocab_range(vocab: int, group) -> tuple[int, int]:
+    """The ``[start, end)`` rows of a vocabulary padded up to a multiple of the group's width (as vLLM pads it)
+    owned by ``group.rank``; rows at or past ``vocab`` are padding."""
+    n = -(-vocab // group.size)
+    return group.rank * n, (group.rank + 1) * n
+
+
 def shard_range(total: int, group, what: str) -> tuple[int, int]:
     """The ``[start, end)`` slice of ``total`` owned by ``group.rank``; ``total`` must divide evenly."""
     if total % group.size:

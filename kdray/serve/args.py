@@ -18,16 +18,26 @@ class ServeArgs(EngineArgs):
                                           default=None)
     max_queue: int = setting("requests waiting beyond max_num_seqs before 503s", default=256)
     api_key: str | None = setting("require this bearer key (default: $KDRAY_API_KEY)", default=None)
-    batch_dir: str = setting("where /v1/files and /v1/batches keep their data", default="~/.cache/kdray/batches")
+    protect_metrics: bool = setting("require the API key on GET /metrics too", default=False)
+    max_request_bytes: int = setting("largest JSON request body; larger ones get 413", default=8 << 20)
+    max_file_bytes: int = setting("largest upload to POST /v1/files; larger ones get 413", default=100 << 20)
+    batch_dir: str = setting("where /v1/files and /v1/batches keep their data (created on first use; storage "
+                             "every node mounts when there are several)", default="~/.cache/kdray/batches")
+    batch_retention_days: float | None = setting("delete finished batches and uploads this many days after they "
+                                                 "end (none: keep them)", default=30.0)
     num_replicas: int = setting("engines, one per replica", default=1)
     autoscaling_config: dict | None = setting("Serve's AutoscalingConfig; replaces num_replicas", default=None)
     max_ongoing_requests: int = setting("requests one replica takes at once (Serve's bound)", default=1024)
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("max_queue", "num_replicas", "max_ongoing_requests"):
-            if getattr(self, name) < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name}={getattr(self, name)} must be >= {0 if name == 'max_queue' else 1}")
+        for name, low in (("max_queue", 0), ("num_replicas", 1), ("max_ongoing_requests", 1),
+                          ("max_request_bytes", 1024), ("max_file_bytes", 1024)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}")
+        if self.batch_retention_days is not None and not self.batch_retention_days > 0:
+            raise ValueError(f"batch_retention_days={self.batch_retention_days} must be > 0 (or none to keep "
+                             "everything)")
 
     @classmethod
     def parse(cls, raw: dict) -> ServeArgs:

@@ -1,12 +1,20 @@
 """The synchronous engine behind asyncio: one thread steps it while requests exist.
 
 Only the engine thread touches the engine. Callers hand it commands (add, abort) through a
-condition variable and receive outputs on a per-submission ``asyncio.Queue``; the waiting queue is
-bounded, so a full server refuses work (:class:`QueueFull`) instead of queueing without limit.
+condition variable and receive outputs on a per-submission stream; the waiting queue is bounded, so a
+full server refuses work (:class:`QueueFull`) instead of queueing without limit.
+
+Failures stay as small as they can: a failed step fails the requests it ran (a request that had sent
+nothing yet runs once more, so a shard that died while the engine was idle costs no request); an error
+in the thread itself fails the requests in flight and restarts the thread on the same engine. Only an
+engine that cannot be reset, or that keeps failing, is :class:`EngineDead` (Serve then replaces the
+replica).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import threading
 import time
 from collections import deque
@@ -16,6 +24,12 @@ from dataclasses import dataclass, field
 from kdray.engine.engine import RunnerFailure
 from kdray.engine.request import RequestOutput, SamplingParams
 from kdray.serve.metrics import Metrics
+
+logger = logging.getLogger("kdray.serve")
+MAX_RESTARTS = 5  # thread restarts within RESTART_WINDOW_S before the engine counts as dead
+RESTART_WINDOW_S = 60.0
+WAIT_SMOOTHING = 0.2  # weight of the newest wait in the estimate behind Retry-After
+MAX_RETRY_AFTER_S = 60
 
 
 class QueueFull(Exception):
@@ -28,7 +42,11 @@ class QueueFull(Exception):
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped on an error; the replica must be replaced."""
+    """The engine failed and could not be restarted; the replica must be replaced."""
+
+
+class EngineRestarted(RuntimeError):
+    """The engine thread failed while this request was in flight; it restarted, and a retry will be served."""
 
 
 class RequestStream:
@@ -82,8 +100,14 @@ class _Live:
     stream: RequestStream
     loop: asyncio.AbstractEventLoop
     submitted: float
+    prompt: list[int]
+    params: SamplingParams
     first_token: float | None = None
     stage_seconds: dict[str, float] = field(default_factory=dict)  # already counted in the step metrics
+    steps: int = 0  # speculative steps, tokens they gave and draft nodes they verified, already counted
+    accepted: int = 0
+    nodes: int = 0
+    retried: bool = False  # it ran again after a failed step that it had sent nothing from
 
 
 class AsyncEngine:
@@ -99,16 +123,22 @@ class AsyncEngine:
         self.engine, self.metrics = engine, metrics
         self.capacity = max_num_seqs + max_queue
         self.error: BaseException | None = None
+        self.restarts = 0
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
         self._pending = 0  # requests handed over but not yet added to the engine
         self._live: dict[str, _Live] = {}  # engine thread only
         self._waiting = 0  # engine.num_waiting() after the engine thread's last step
+        self._wait_s = 0.0  # recent time from submission to first token (smoothed): the Retry-After estimate
         self._stopped = False
-        metrics.bind(queue_length=lambda: self._pending + self._waiting,
-                     running=lambda: max(0, len(self._live) - self._waiting), free_pages=engine.free_pages)
-        self._thread = threading.Thread(target=self._loop, name="kdray-engine", daemon=True)
+        self._published: tuple = ()
+        self._thread = threading.Thread(target=self._main, name="kdray-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: about as long as admitted requests recently waited."""
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._wait_s)))
 
     async def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> RequestStream:
         """Admit ``(request_id, prompt_token_ids, params)`` requests together and return their stream.
@@ -120,7 +150,7 @@ class AsyncEngine:
         stream = RequestStream(self, [r[0] for r in requests])
         with self._cond:
             if self._pending + len(self._live) + len(requests) > self.capacity:
-                raise QueueFull(self.capacity)
+                raise QueueFull(self.capacity, self.retry_after)
             self._pending += len(requests)
             self._commands.append(("add", stream, asyncio.get_running_loop(), list(requests), time.perf_counter()))
             self._cond.notify()
@@ -132,7 +162,7 @@ class AsyncEngine:
         return stream
 
     def check(self):
-        """Raise :class:`EngineDead` if the engine thread is gone."""
+        """Raise :class:`EngineDead` if the engine thread is gone for good."""
         if self.error is not None or not self._thread.is_alive():
             raise self.error or EngineDead("the engine thread is not running")
 
@@ -149,31 +179,89 @@ class AsyncEngine:
 
     # ---- engine thread -------------------------------------------------------------------------
 
+    def _main(self):
+        """Run the loop; after an error, fail what was in flight, reset the engine and run it again."""
+        failures: deque[float] = deque()
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:  # noqa: BLE001 - a bug or a broken engine: the replica itself recovers
+                logger.exception("the engine thread failed; failing the requests in flight and restarting it")
+                now = time.monotonic()
+                failures.append(now)
+                while now - failures[0] > RESTART_WINDOW_S:
+                    failures.popleft()
+                lost = self._fail_live(EngineRestarted("the engine failed while serving this request and has "
+                                                       "restarted; send it again"))
+                if len(failures) > MAX_RESTARTS:
+                    self._die(EngineDead(f"the engine failed {len(failures)} times within {RESTART_WINDOW_S:.0f} s; "
+                                         "the replica needs replacing (see its log)"))
+                    return
+                if not self._reset(lost):
+                    self._die(EngineDead("the engine failed and could not be reset; the replica needs replacing "
+                                         "(see its log)"))
+                    return
+                self.restarts += 1
+                self.metrics.restarts.inc()
+            except BaseException:
+                self._die(EngineDead("the engine thread stopped; the replica needs replacing (see its log)"))
+                raise
+
     def _loop(self):
-        try:
-            while True:
-                with self._cond:
-                    while not self._commands and not self.engine.has_unfinished_requests() and not self._stopped:
-                        self._cond.wait()
-                    if self._stopped:
-                        return
-                    commands, self._commands = self._commands, []
-                for command in commands:
-                    self._apply(command)
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self._waiting = self.engine.num_waiting()
-        except BaseException as e:  # every caller must hear about it
-            self.error = dead = EngineDead(f"the engine stopped: {e!r}")
-            for live in self._live.values():
-                _deliver(live.loop, live.stream._put, dead)
-            self._live.clear()
+        while True:
             with self._cond:
-                for command in self._commands:
-                    if command[0] == "add":
-                        _deliver(command[2], _settle, command[1].admitted, dead)
-                self._commands.clear()
-            raise
+                while not self._commands and not self.engine.has_unfinished_requests() and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                commands, self._commands = self._commands, []
+            for command in commands:
+                self._apply(command)
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._waiting = self.engine.num_waiting()
+            self._publish()
+
+    def _publish(self):
+        """Set the gauges when what they show has changed."""
+        state = (max(0, len(self._live) - self._waiting), self._pending + self._waiting, self.engine.free_pages())
+        if state != self._published:
+            self._published = state
+            self.metrics.engine_state(*state, self.engine.scheduler.pool.num_pages)
+            sched, policy = self.engine.scheduler, self.engine.policy
+            self.metrics.scheduler(sched.pool.lookups, sched.pool.hits, sched.preemptions,
+                                   policy.calibration if policy is not None else [])
+
+    def _fail_live(self, error: BaseException) -> list[str]:
+        """Hand ``error`` to every request in flight; return their ids."""
+        lost = list(self._live)
+        for live in self._live.values():
+            _deliver(live.loop, live.stream._put, error)
+        self._live.clear()
+        return lost
+
+    def _reset(self, request_ids: list[str]) -> bool:
+        """Abort ``request_ids`` in the engine and apply its step in flight (freeing their pages); whether it then
+        holds no request."""
+        try:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            self.engine.drain()
+            return not self.engine.has_unfinished_requests()
+        except Exception:  # noqa: BLE001 - logged; the engine is beyond repair
+            logger.exception("resetting the engine failed")
+            return False
+
+    def _die(self, error: EngineDead):
+        """The engine is beyond repair: every request in flight or handed over gets ``error``."""
+        self.error = error
+        self._fail_live(error)
+        with self._cond:
+            for command in self._commands:
+                if command[0] == "add":
+                    _deliver(command[2], _settle, command[1].admitted, error)
+            self._commands.clear()
 
     def _apply(self, command: tuple):
         if command[0] == "abort":
@@ -192,8 +280,8 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             _deliver(loop, _settle, stream.admitted, e)
         else:
-            for rid in added:
-                self._live[rid] = _Live(stream, loop, submitted)
+            for rid, ids, params in requests:
+                self._live[rid] = _Live(stream, loop, submitted, ids, params)
             _deliver(loop, _settle, stream.admitted, None)
         finally:
             with self._cond:
@@ -203,14 +291,14 @@ class AsyncEngine:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except RunnerFailure as e:  # a Ray actor died: its requests fail, the engine rebuilds for the rest
+        except RunnerFailure as e:  # the step's requests failed (an actor died: the runner rebuilds)
+            logger.warning("%s", e)
             for rid in e.request_ids:
-                live = self._live.pop(rid, None)
-                if live is not None:
-                    _deliver(live.loop, live.stream._put, e)
+                self._fail_or_retry(rid, e)
             return
         now = time.perf_counter()
         stages: dict[str, float] = {}
+        drafts: list[tuple[int, int]] = []  # per sequence stepped: (draft nodes verified, draft tokens accepted)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -219,14 +307,34 @@ class AsyncEngine:
             for stage, total in out.metrics.get("seconds", {}).items():
                 stages[stage] = stages.get(stage, 0.0) + total - live.stage_seconds.get(stage, 0.0)
                 live.stage_seconds[stage] = total
+            if out.metrics.get("steps", 0) > live.steps:  # the bonus token is not a draft token
+                nodes = sum(w * n for w, n in out.metrics["tree_sizes"].items())
+                drafts.append((nodes - live.nodes, out.metrics["accepted_tokens"] - live.accepted - 1))
+                live.steps, live.accepted, live.nodes = out.metrics["steps"], out.metrics["accepted_tokens"], nodes
             if live.first_token is None and out.outputs[0].token_ids:
                 live.first_token = now
                 self.metrics.first_token(now - live.submitted)
+                self._wait_s += WAIT_SMOOTHING * (now - live.submitted - self._wait_s)
             if out.finished:
                 del self._live[out.request_id]
-                self.metrics.finished(out, now - live.first_token if live.first_token else 0.0)
+                self.metrics.finished(out, now - live.first_token if live.first_token else 0.0, now - live.submitted)
             _deliver(live.loop, live.stream._put, out)
-        self.metrics.step(now - t0, stages)
+        self.metrics.step(now - t0, stages, drafts)
+
+    def _fail_or_retry(self, rid: str, error: RunnerFailure):
+        """A request of a failed step: once, if it has sent nothing yet, it runs again; else it gets ``error``."""
+        live = self._live.get(rid)
+        if live is None:
+            return
+        if live.first_token is None and not live.retried:
+            live.retried = True
+            try:
+                self.engine.add_request(rid, live.prompt, live.params)
+                return
+            except ValueError:
+                pass
+        del self._live[rid]
+        _deliver(live.loop, live.stream._put, error)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, fn, *args):

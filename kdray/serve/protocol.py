@@ -1,8 +1,8 @@
 """OpenAI request models, error bodies and server-sent events.
 
-Requests are validated strictly (a string where a number belongs is an error, not a conversion, and a field
-kdray does not implement is refused, except the few in METADATA_FIELDS) and every failure becomes an
-:class:`APIError` whose message and ``param`` name the offending field.
+Requests are validated strictly (a string where a number belongs is an error, not a conversion, every number
+is bounded, and a field kdray does not implement is refused, except the few in METADATA_FIELDS) and every
+failure becomes an :class:`APIError` whose message and ``param`` name the offending field.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kdray.engine.request import MAX_SEED, MAX_TOKENS, MAX_TOP_K
 
 MAX_N = 16  # choices per request
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
@@ -20,32 +22,42 @@ _UNSUPPORTED = {
     "functions": "the deprecated functions API is not supported; send tools",
     "function_call": "the deprecated function_call is not supported; send tool_choice",
 }
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body
 SSE_DONE = "data: [DONE]\n\n"
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_overloaded"}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
 class APIError(Exception):
     """An error answered as ``{"error": {message, type, param, code}}`` with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, type: str | None = None):  # noqa: A002 - OpenAI's name
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object, or a 400 that says why it is not one."""
+    """The request body as a JSON object, or a 400 that says why it is not one (malformed, NaN or Infinity,
+    an integer of more than 4300 digits, nested deeper than ``MAX_JSON_DEPTH``, text that is not Unicode)."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise APIError(400, f"malformed JSON in the request body: {what}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    _check_tree(data)
     return data
 
 
@@ -55,6 +67,31 @@ class FieldError(ValueError):
     def __init__(self, loc: tuple, message: str):
         super().__init__(message)
         self.loc = loc
+
+
+def _check_tree(data: dict):
+    """Refuse nesting deeper than ``MAX_JSON_DEPTH`` and strings holding lone UTF-16 surrogates (``"\\ud800"``
+    is valid JSON but no text), naming where they are."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                name = where.encode(errors="backslashreplace").decode()  # the path may hold the surrogate
+                raise APIError(400, f"{name}: holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
+                               param=name, code="invalid_value") from None
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                top = where.split(".")[0].split("[")[0]
+                raise APIError(400, f"{top}: nests arrays or objects deeper than {MAX_JSON_DEPTH} levels",
+                               param=top, code="invalid_json")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) or isinstance(item, (str, dict, list)):  # numbers need no look
+                    inner = f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else key)
+                    stack += [(key, inner, depth), (item, inner, depth + 1)]
 
 
 def _field(loc: tuple) -> str:
@@ -81,8 +118,17 @@ def validate(model: type[BaseModel], data: dict):
             why = _UNSUPPORTED.get(name, "kdray does not implement this field")
             raise APIError(400, f"{name}: {why}; leave it out", param=name, code="unsupported_field") from None
         msg = err["msg"].removeprefix("Value error, ")
-        got = f" (got {json.dumps(err['input'])[:80]})" if "input" in err and err["type"] != "missing" else ""
+        got = f" (got {_brief(err['input'])})" if "input" in err and err["type"] != "missing" else ""
         raise APIError(400, f"{name}: {msg}{got}", param=name, code="invalid_value") from None
+
+
+def _brief(value: Any) -> str:
+    """A short rendering of a bad value for an error message (a container is described, not printed)."""
+    if isinstance(value, (dict, list)):
+        return f"{'an object' if isinstance(value, dict) else 'an array'} of {len(value)} items"
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"a {value.bit_length()}-bit integer"
+    return json.dumps(value)[:80]
 
 
 class _Strict(BaseModel):
@@ -107,12 +153,12 @@ class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # -1 (vLLM's "off") and 0 both disable it
-    seed: int | None = None
-    stop: list[str] = []
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # -1 (vLLM's "off") and 0 both disable it
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: list[str] = Field([], max_length=MAX_STOP)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
@@ -130,9 +176,17 @@ class GenerationRequest(_Strict):
     @classmethod
     def _stop(cls, v: Any) -> Any:
         v = [v] if isinstance(v, str) else v
-        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-            raise ValueError("must be a string or a list of non-empty strings")
+        if not isinstance(v, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v):
+            raise ValueError(f"must be a string or a list of strings, each of 1 to {MAX_STOP_CHARS} characters")
         return v
+
+    @model_validator(mode="after")
+    def _seeds_fit(self) -> GenerationRequest:
+        """Choice ``j`` samples with ``seed + j``: every one must fit the engine's 63 bits."""
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise APIError(400, f"seed: with n={self.n}, seed + n - 1 must be at most 2^63 - 1 = {MAX_SEED}",
+                           param="seed", code="invalid_value")
+        return self
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod
@@ -292,7 +346,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     """``POST /v1/chat/completions``. Tool calls in the reply are parsed into ``tool_calls`` unless
     ``tool_choice`` is "none"."""
 
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tool_choice: Any = None  # "none" or "auto"; forcing a call needs constrained decoding
     parallel_tool_calls: bool = True  # false: the reply's first tool call only
 

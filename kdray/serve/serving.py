@@ -7,20 +7,45 @@ A request becomes ``len(prompts) * n`` engine requests (choice ``i * n + j`` is 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kdray.actors.channel import WorkerFailure
+from kdray.engine.engine import RunnerFailure
 from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from kdray.model.tokenizer import ChatTemplateError
-from kdray.serve.async_engine import AsyncEngine, RequestStream
+from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, QueueFull, RequestStream
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
 from kdray.serve.tool_calls import ParsedCall, ToolCallParser
 
+logger = logging.getLogger("kdray.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def api_error(e: Exception, where: str) -> APIError:
+    """The OpenAI error for an exception raised while serving ``where``: a 4xx the client can fix, a 503 worth
+    retrying, or a 500 whose details stay in the replica's log (never in the body)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFull):
+        return APIError(503, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)},
+                        type="server_overloaded")
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, EngineRestarted):
+        return APIError(503, str(e), code="engine_restarted", headers={"Retry-After": "1"})
+    if isinstance(e, WorkerFailure):
+        return APIError(503, "a shard of the engine failed while serving this request; the engine is starting "
+                        "new ones: send it again", code="worker_failed", headers={"Retry-After": "1"})
+    ref = uuid.uuid4().hex[:12]
+    logger.error("%s failed (error %s)", where, ref, exc_info=e)
+    what = "the engine step serving this request failed" if isinstance(e, RunnerFailure) else "internal error"
+    return APIError(500, f"{what}; the replica's log has the details under error {ref}", code="internal_error")
 
 
 class OpenAIServing:
@@ -40,6 +65,7 @@ class OpenAIServing:
         """``POST /v1/completions``: a response body, or SSE text when ``stream`` is true."""
         req = validate(CompletionRequest, data)
         self._check_model(req.model)
+        self._check_size(len(req.prompt), req.n)
         prompts = await asyncio.to_thread(lambda: [p if isinstance(p, list) else self._encode(p) for p in req.prompt])
         echo = None
         if req.echo:  # the prompts' text, before each choice's
@@ -52,6 +78,7 @@ class OpenAIServing:
         ``tools``, ``documents``, ...); tool calls in the reply are parsed unless ``tool_choice`` is "none"."""
         req = validate(ChatCompletionRequest, data)
         self._check_model(req.model)
+        self._check_size(1, req.n)
         ids = await asyncio.to_thread(self._render, req)
         return await self._generate(req, [ids], chat=True, tools=self.tool_calls if req.parses_tool_calls else None)
 
@@ -84,6 +111,11 @@ class OpenAIServing:
             return 200, await handler(body)
         except APIError as e:
             return e.status, e.body()
+
+    def _check_size(self, prompts: int, n: int):
+        if prompts * n > self.engine.capacity:
+            raise APIError(400, f"n: {prompts} prompts x n={n} make {prompts * n} requests, more than this server "
+                           f"takes at once ({self.engine.capacity}); split the request", param="n")
 
     def _check_model(self, model: str | None):
         if model is not None and model != self.model_name:
@@ -150,9 +182,6 @@ class OpenAIServing:
                                         include_stop_str_in_output=req.include_stop_str_in_output,
                                         ignore_eos=req.ignore_eos)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
-        if len(requests) > self.engine.capacity:
-            raise APIError(400, f"n: {len(prompts)} prompts x n={req.n} make {len(requests)} requests, more than this "
-                           f"server takes at once ({self.engine.capacity}); split the request", param="n")
         response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools)
         try:
             stream = await self.engine.generate(requests)
@@ -290,7 +319,7 @@ class _Response:
                            "usage": usage(self.prompt_tokens, sum(s.ids for s in sent))})
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the status line is gone: report the error in the stream
-            yield sse(APIError(500, f"generation failed: {e}", code="engine_error").body())
+            yield sse(api_error(e, "a stream").body())
         finally:
             stream.abort()
 
