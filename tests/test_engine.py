@@ -222,6 +222,21 @@ def test_prefix_cache_shares_full_pages_and_prefills_only_the_rest():
     assert engine.scheduler.pool.hits == 3
 
 
+def test_a_runner_failure_empties_the_prefix_cache():
+    """The KV behind cached prefixes is gone with the runner that held it (new actors start empty)."""
+    runner = FakeRunner(accept=2)
+    engine = make_engine(runner, num_pages=64, prefix_caching=True)
+    run(engine, [list(range(1, 14))], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    runner.fail_at_step = len(runner.steps) + 2
+    engine.add_request("b", list(range(1, 14)) + [7], SamplingParams(max_tokens=20, ignore_eos=True))
+    with pytest.raises(RunnerFailure):
+        for _ in range(5):
+            engine.step()
+    run(engine, [list(range(1, 14)) + [8]], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert runner.prefills[-1].starts == [0]  # prefilled from scratch, not from pages the failure emptied
+    assert engine.free_pages() == 64
+
+
 def test_eviction_takes_idle_cached_pages_never_held_ones():
     pool = PagePool(4, 2, prefix_caching=True)
     held, idle = pool.allocate(2), pool.allocate(2)

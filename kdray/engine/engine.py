@@ -118,6 +118,7 @@ class Engine:
             for seq in list(self.scheduler.running):
                 seq.inflight = 0
                 self.abort_request(seq.request_id)
+            self.scheduler.pool.forget()  # a rebuilt runner's caches hold none of the cached prefixes
             if isinstance(e, RunnerFailure):
                 raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
             raise RunnerFailure(f"the step failed ({type(e).__name__}: {e})\n-> request(s) {list(failed)} failed",

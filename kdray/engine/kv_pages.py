@@ -86,6 +86,13 @@ class PagePool:
             self._refs[page] += 1
         return found
 
+    def forget(self):
+        """Empty the prefix cache (the KV behind it is gone: a runner rebuilt after a failure)."""
+        self._free.extend(reversed(self._idle))
+        self._idle.clear()
+        self._key_of.clear()
+        self._page_of.clear()
+
     def register(self, pages: list[int], keys: list[bytes]):
         """Record a sequence's full pages (``pages[i]`` written for good, its chain key ``keys[i]``) in the prefix
         cache; a page whose prefix is cached already under another page stays private."""
