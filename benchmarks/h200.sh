@@ -23,7 +23,7 @@ for phase in "$@"; do
              -W ignore::DeprecationWarning 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     ray)   python3 -m pytest -q -p no:cacheprovider tests/test_ray_gpu.py -W ignore::DeprecationWarning 2>&1 \
              | tee "$OUT/ray.log" | tail -25 ;;
-    e2e)   python3 benchmarks/e2e.py --budgets 0 16 64 256 auto --lossless-budgets 64 auto --md "$OUT/e2e.md" \
+    e2e)   python3 benchmarks/e2e.py --budgets 0 16 64 256 auto --lossless-budgets auto --md "$OUT/e2e.md" \
              --json "$OUT/e2e.json" 2>"$OUT/e2e.err"; tail -5 "$OUT/e2e.err" ;;
     serve) python3 benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --seconds 6 \
              --md "$OUT/serve.md" 2>"$OUT/serve.err"
