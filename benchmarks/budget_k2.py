@@ -53,8 +53,7 @@ def tau_at(taus: dict[int, float], w: int) -> float:
 
 def policy_for(taus: dict[int, float]) -> BudgetPolicy:
     policy = BudgetPolicy(max_nodes=256, depth=DEPTH)
-    policy.warm({w: s for (b, w), s in K2_TP8_STEP.items() if b == 1})
-    policy.costs.update({(b, w): s for (b, w), s in K2_TP8_STEP.items() if b > 1})
+    policy.warm(K2_TP8_STEP)
     return policy
 
 

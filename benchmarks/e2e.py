@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kdray.engine.args import AUTO_MAX_NODES
 from kdray.engine.request import SamplingParams
 from kdray.llm import LLM
 from kdray.model.presets import builtin_drafter
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     prompts = {"b1": heldout[:args.batch1_prompts], "bN": heldout[:args.batch],
                "lossless": heldout[:args.lossless_prompts]}
     pages = kv_pages([len(p) for p in heldout[:max(args.batch, args.lossless_prompts)]],
-                     max(args.max_tokens, args.lossless_tokens), max(args.budgets) + 17)
+                     max(args.max_tokens, args.lossless_tokens), AUTO_MAX_NODES + 17)
     graphs = args.device == "cuda" and args.cuda_graphs == "on"
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     title = (f"e2e: {args.model} + DFlash drafter `{Path(drafter_path).name}`, {str(dtype)[6:]}, {gpu}, "

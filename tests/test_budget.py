@@ -11,8 +11,9 @@ L = 3
 
 
 def policy(costs: dict[int, float]) -> BudgetPolicy:
+    """A policy whose cost table holds one sequence's step at each width."""
     p = BudgetPolicy(max_nodes=64, depth=L)
-    p.warm(costs)
+    p.warm({(1, w): s for w, s in costs.items()})
     return p
 
 
@@ -57,7 +58,7 @@ def test_width_masses_are_the_path_probabilities_of_the_first_nodes():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, L, 5, generator=g) * 2
     tree = tree_build(logits, torch.tensor([0, 1]), torch.tensor([12, 12], dtype=torch.int32), 12)
-    masses = width_masses(logits, tree.tokens, tree.depths, tree.ancestors(), [0, 4, 12], L)  # [2, 3, L]
+    masses = width_masses(logits, tree.tokens, tree.depths, tree.ancestors(), torch.tensor([0, 4, 12]), L)
     probs = logits.softmax(-1)
     for b in range(2):
         for k, w in enumerate((0, 4, 12)):

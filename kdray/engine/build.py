@@ -8,7 +8,7 @@ from kdray.engine.args import EngineArgs
 from kdray.engine.engine import Engine
 from kdray.engine.kv_pages import PagePool
 from kdray.engine.layout import EngineLayout, ModelFacts, kv_pages_that_fit
-from kdray.engine.runner import ModelRunner
+from kdray.engine.runner import BUCKETS, ModelRunner
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.step import StepBatch
 from kdray.model.dflash import DFlashDrafter
@@ -65,13 +65,16 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
 
 
 def warm_policy(runner, layout: EngineLayout, repeats: int = 2) -> BudgetPolicy:
-    """The budget policy with its cost table's first row measured on this device: one sequence's step at every
-    candidate width, run in the scratch slot (its KV goes to the scratch page), the last of ``repeats`` timed."""
+    """The budget policy with its cost table measured on this device: a step at every candidate width, run in
+    the scratch slot (its KV goes to the scratch page), the last of ``repeats`` timed; for one sequence, and
+    with CUDA graphs for every batch bucket too (which also captures every graph a step will replay)."""
     policy = BudgetPolicy(max_nodes=layout.spec.nodes, depth=layout.spec.depth)
+    batches = [b for b in BUCKETS if b <= layout.num_slots] if layout.cuda_graphs else [1]
     measured = {}
-    for w in policy.widths:
-        for _ in range(repeats):
-            seconds = runner.step(StepBatch([layout.num_slots], w)).result().seconds
-        measured[w] = sum(seconds.values())
+    for b in batches:
+        for w in policy.widths:
+            for _ in range(repeats):
+                seconds = runner.step(StepBatch([layout.num_slots] * b, w)).result().seconds
+            measured[(b, w)] = sum(seconds.values())
     policy.warm(measured)
     return policy

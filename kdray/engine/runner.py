@@ -147,6 +147,7 @@ class ModelRunner:
             blk = self.spec.block_size  # [d_layers, P, S, 2, Hkv, D] above; [blk, W] below
             self._see_block = pack_bits(torch.ones(blk, blk, dtype=torch.bool, device=device))
         self.widths = [w for w in WIDTHS if w <= self.spec.nodes]  # the tree widths budget="auto" chooses from
+        self._widths = torch.tensor(self.widths, device=self.device)  # [widths]
         self.graphs = layout.cuda_graphs and self.device.type == "cuda"
         graphed = (lambda fn: GraphedFn(fn, self.slots.snapshot)) if self.graphs else (lambda fn: None)
         self._step_graphs = graphed(self._step_fn)
@@ -301,7 +302,7 @@ class ModelRunner:
         tree = self.build_tree(draft, inputs)
         masses = None
         if self.spec.auto and draft is not None:
-            masses = width_masses(draft.logits, tree.tokens, tree.depths, tree.ancestors(), self.widths,
+            masses = width_masses(draft.logits, tree.tokens, tree.depths, tree.ancestors(), self._widths,
                                   self.spec.depth)
         timer.end("build")
         return (tree.prefix(nodes) if nodes < tree.tokens.shape[1] - 1 else tree), masses

@@ -27,9 +27,9 @@ EXPLORE = 32  # plain steps in a row after which a small tree is tried again
 
 
 def width_masses(logits: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-                 widths: list[int], depth: int) -> torch.Tensor:
+                 widths: torch.Tensor, depth: int) -> torch.Tensor:
     """Per sequence, the drafter's probability mass at each depth among the first w nodes of its best-first tree,
-    for every w in ``widths``.
+    for every w in ``widths`` (int64, on the logits' device: the function runs inside CUDA graphs).
 
     logits ``[B, L, V]`` (the drafter's), tokens / depths ``[B, 1+N]`` of the tree, ancestors ``[B, 1+N, 1+N]``
     bool (node i's ancestors, itself included) -> masses ``[B, len(widths), L]`` fp32.
@@ -42,8 +42,7 @@ def width_masses(logits: torch.Tensor, tokens: torch.Tensor, depths: torch.Tenso
     path = torch.exp(torch.bmm(ancestors.float(), node_lp[..., None]).squeeze(-1))  # [B, 1+N]
     one_hot = torch.nn.functional.one_hot(d, depth) * (depths > 0)[..., None]  # [B, 1+N, L]
     cum = torch.cumsum(path[..., None] * one_hot, dim=1)  # [B, 1+N, L]: mass among nodes 0..i
-    at = torch.tensor([min(w, n1 - 1) for w in widths], device=tokens.device)
-    return cum[:, at]  # [B, len(widths), L]
+    return cum[:, widths.clamp(max=n1 - 1)]  # [B, len(widths), L]
 
 
 def bucket_of(batch: int) -> int:
@@ -72,14 +71,14 @@ class BudgetPolicy:
         self.calibration = [1.0] * self.depth
         self._observed, self._predicted = [1.0] * self.depth, [1.0] * self.depth
 
-    def warm(self, measured: dict[int, float]):
-        """Step seconds of one sequence at each width, measured on this device: the cost table's first row and
-        the per-token slope for batches not measured yet."""
-        for w, s in measured.items():
-            self.costs[(1, w)] = s
-        if len(measured) > 1:
-            lo, hi = min(measured), max(measured)
-            self.per_token = max(0.0, (measured[hi] - measured[lo]) / max(1, hi - lo))
+    def warm(self, measured: dict[tuple[int, int], float]):
+        """Step seconds measured on this device, per (batch bucket, width): the cost table's first entries (one
+        sequence's at least) and the per-token slope for batches not measured."""
+        self.costs.update(measured)
+        one = {w: s for (b, w), s in measured.items() if b == 1}
+        if len(one) > 1:
+            lo, hi = min(one), max(one)
+            self.per_token = max(0.0, (one[hi] - one[lo]) / max(1, hi - lo))
 
     def cost(self, batch: int, w: int) -> float:
         """Expected seconds of a step of ``batch`` sequences verifying ``w`` nodes each (host wait included): the
