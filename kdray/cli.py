@@ -19,7 +19,8 @@ from pathlib import Path
 from kdray.engine.args import EngineArgs
 from kdray.serve.args import ServeArgs
 
-BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py"}  # name -> benchmarks/ file
+BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py",
+              "reliability": "reliability.py"}  # name -> benchmarks/ file
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, cls, title: str):
