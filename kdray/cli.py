@@ -20,7 +20,7 @@ from kdray.engine.args import EngineArgs
 from kdray.serve.args import ServeArgs
 
 BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py",
-              "serve-load": "serve_load.py"}  # name -> benchmarks/ file
+              "serve-load": "serve_load.py", "reliability": "reliability.py"}  # name -> benchmarks/ file
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, cls, title: str):
