@@ -47,6 +47,15 @@ def test_calibration_follows_the_acceptance_seen():
     assert p.calibration[0] > 1.5 * p.calibration[1] and p.calibration[2] < 0.05
 
 
+def test_one_large_batch_does_not_erase_what_many_steps_taught():
+    p = policy({0: 1.0, 64: 2.0})
+    for _ in range(100):  # every drafted token accepted
+        p.observe(64, confident(2), [L + 1] * 2, 2, None, None)
+    before = p.calibration[L - 1]
+    p.observe(64, confident(32), [1] * 32, 32, None, None)  # one step of 32 sequences accepting nothing
+    assert p.calibration[L - 1] > 0.5 * before
+
+
 def test_nothing_known_and_long_plain_runs_try_a_small_tree():
     p = policy({0: 1.0, 8: 100.0, 16: 100.0, 32: 100.0, 64: 100.0})
     assert p.choose([None, None]) == 8

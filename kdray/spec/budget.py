@@ -130,11 +130,12 @@ class BudgetPolicy:
         trees gave it (``masses``: the step's reports, None for a step without a draft), and refine the cost
         table with the step's device time and the host's share of its wall time."""
         k = self.widths.index(w)
-        if w and masses is not None:
-            for seq, n in zip(masses, accepted):
-                for d in range(self.depth):
-                    self._observed[d] = (1 - EMA) * self._observed[d] + EMA * (n - 1 > d)
-                    self._predicted[d] = (1 - EMA) * self._predicted[d] + EMA * seq[k][d]
+        if w and masses is not None:  # one update per step (the batch's means): the memory counts steps
+            for d in range(self.depth):
+                seen = sum(n - 1 > d for n in accepted) / len(accepted)
+                given = sum(seq[k][d] for seq in masses) / len(masses)
+                self._observed[d] = (1 - EMA) * self._observed[d] + EMA * seen
+                self._predicted[d] = (1 - EMA) * self._predicted[d] + EMA * given
             self.calibration = [min(4.0, o / max(p, 1e-6)) for o, p in zip(self._observed, self._predicted)]
         if device_seconds is not None:
             key = (bucket_of(batch), w)
