@@ -1,9 +1,13 @@
 """budget="auto": the tree width chosen each step from the trees' own probabilities, a per-depth calibration
-and a measured cost table; the choice never changes the output."""
+and a measured cost table; the choice never changes the output. The warm-up that measures the table (and
+captures the step graphs of fixed budgets too) runs every batch bucket."""
+import dataclasses
+
 import pytest
 import torch
 
 from kdray import LLM, SamplingParams
+from kdray.engine.build import warm_steps
 from kdray.kernels.tree_build import tree_build
 from kdray.spec.budget import BudgetPolicy, width_masses
 
@@ -90,6 +94,27 @@ def test_auto_budget_output_equals_ar():
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ar]
     assert sum(outs[0].metrics["tree_sizes"].values()) == outs[0].metrics["steps"]
     assert auto.engine.policy.report()["tree_sizes"]
+
+
+@pytest.mark.parametrize("spec", ["ar", "ddtree"])
+def test_warm_up_steps_every_batch_bucket_and_leaves_cached_prefixes_intact(spec):
+    """The warm-up between two runs of the same prompts: the second reuses the first's cached KV pages and
+    must still give the same tokens (a warm-up step writing into those pages would change them)."""
+    kw = dict(model="k2-tiny", spec=spec, max_num_seqs=4)
+    if spec == "ddtree":
+        kw.update(drafter="random", block_size=4, budget=16)
+    llm = LLM(**kw)
+    prompts = [list(range(5, 45)), list(range(50, 90))]  # two full pages each: cached after the first run
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    runner = llm.engine.runner
+    layout = dataclasses.replace(runner.layout, cuda_graphs=True)  # as on a GPU: one step per batch bucket
+    nodes = layout.spec.nodes
+    assert sorted(warm_steps(runner, layout, [nodes], repeats=1)) == [(1, nodes), (2, nodes), (4, nodes)]
+    hits = llm.engine.scheduler.pool.hits
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert llm.engine.scheduler.pool.hits > hits
+    assert [o.outputs[0].token_ids for o in got] == want
 
 
 @pytest.mark.slow

@@ -59,22 +59,33 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
     eos = cfg.eos_token_ids or (tok.eos_token_ids if tok else ())
     scheduler = Scheduler(PagePool(layout.num_pages, args.page_size, args.prefix_caching), layout,
                           args.max_tokens_per_step, args.prefill_chunk or args.max_tokens_per_step)
-    policy = warm_policy(runner, layout) if layout.spec.auto else None
+    policy = warm_up(runner, layout)
     return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name, layout.spec.nodes,
                   policy), facts
 
 
-def warm_policy(runner, layout: EngineLayout, repeats: int = 2) -> BudgetPolicy:
-    """The budget policy with its cost table measured on this device: a step at every candidate width, run in
-    the scratch slot (its KV goes to the scratch page), the last of ``repeats`` timed; for one sequence, and
-    with CUDA graphs for every batch bucket too (which also captures every graph a step will replay)."""
-    policy = BudgetPolicy(max_nodes=layout.spec.nodes, depth=layout.spec.depth)
+def warm_steps(runner, layout: EngineLayout, widths: list[int], repeats: int = 2) -> dict[tuple[int, int], float]:
+    """Run a step at every width in ``widths`` in the scratch slot (its KV goes to the scratch page), for one
+    sequence and, with CUDA graphs, for every batch bucket: this captures every graph those steps will replay,
+    so serving never stalls on a capture. Returns the device seconds of the last of ``repeats`` per
+    (batch bucket, width)."""
     batches = [b for b in BUCKETS if b <= layout.num_slots] if layout.cuda_graphs else [1]
     measured = {}
     for b in batches:
-        for w in policy.widths:
+        for w in widths:
             for _ in range(repeats):
                 seconds = runner.step(StepBatch([layout.num_slots] * b, w)).result().seconds
             measured[(b, w)] = sum(seconds.values())
-    policy.warm(measured)
-    return policy
+    return measured
+
+
+def warm_up(runner, layout: EngineLayout) -> BudgetPolicy | None:
+    """Before the first request: ``budget="auto"``'s policy with its cost table measured on this device at every
+    width it may choose; a fixed budget's step graphs captured for every batch bucket. Returns the policy."""
+    if layout.spec.auto:
+        policy = BudgetPolicy(max_nodes=layout.spec.nodes, depth=layout.spec.depth)
+        policy.warm(warm_steps(runner, layout, policy.widths))
+        return policy
+    if layout.cuda_graphs:
+        warm_steps(runner, layout, [layout.spec.nodes], repeats=1)
+    return None
