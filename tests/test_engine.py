@@ -158,12 +158,23 @@ def test_admission_takes_current_need_not_the_whole_context():
     """Pages for the prompt and one step's look-ahead admit a request, however long it may grow: a burst of long
     requests all run at once (a full reservation would have admitted one)."""
     runner = FakeRunner(accept=2)
-    engine = make_engine(runner, num_pages=80, max_num_seqs=16, max_model_len=4096)
+    engine = make_engine(runner, num_pages=1100, max_num_seqs=16, max_model_len=4096)
     for i in range(16):
         engine.add_request(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=4000, ignore_eos=True))
     engine.step()
     assert len(engine.scheduler.running) == 16 and not engine.scheduler.waiting
-    assert engine.scheduler.pages_to_start(engine.scheduler.running[0]) * 16 <= 80 < 16 * (4004 // 4)
+    assert engine.scheduler.pages_to_start(engine.scheduler.running[0]) * 16 <= 1100 < 2 * (4004 // 4)
+
+
+def test_a_request_the_pool_cannot_hold_alone_is_refused_and_the_rest_run():
+    """Grown to max_tokens it would outgrow every page: admitted, it would wait for pages forever and hold up every
+    request behind it. It is refused up front, naming the fix."""
+    engine = make_engine(FakeRunner(accept=2), num_pages=16, max_model_len=64)
+    refused = r"may need 18 KV pages \(prompt and max_tokens\); the pool has 16: lower max_tokens"
+    with pytest.raises(ValueError, match=refused):
+        engine.add_request("big", [5] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
+    outs = run(engine, [[5] * 20], [SamplingParams(max_tokens=20, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == expected([5] * 20, 20)
 
 
 def test_a_preempted_request_resumes_with_exactly_its_output():

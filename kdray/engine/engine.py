@@ -72,10 +72,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed,
                        detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
-        need, have = self.scheduler.pages_to_start(seq), self.scheduler.pool.num_pages
+        need, have = self.scheduler.pages_at_most(seq), self.scheduler.pool.num_pages
         if need > have:
-            raise ValueError(f"the prompt needs {need} KV pages; the pool has {have}: shorten the prompt or give the "
-                             "engine more pages (num_pages)")
+            raise ValueError(f"the request may need {need} KV pages (prompt and max_tokens); the pool has {have}: "
+                             "lower max_tokens, shorten the prompt or give the engine more pages (num_pages)")
         self._seqs[request_id] = seq
         self.scheduler.waiting.append(seq)
 

@@ -36,6 +36,12 @@ class Scheduler:
         """Pages a request needs to be admitted (without the prefix cache): its context and the look-ahead."""
         return self.pool.pages_for(len(seq.context_ids) + self.lookahead)
 
+    def pages_at_most(self, seq: Sequence) -> int:
+        """Pages a request may hold at once in its life: its context grown to ``max_tokens`` (or the context
+        limit), and the look-ahead. A request the pool cannot hold alone could never finish."""
+        grown = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
+        return self.pool.pages_for(grown + self.lookahead)
+
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the running set while slots and pages allow (their prefill comes in chunks)."""
         admitted = []
