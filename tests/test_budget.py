@@ -111,9 +111,9 @@ def test_warm_up_steps_every_batch_bucket_and_leaves_cached_prefixes_intact(spec
     layout = dataclasses.replace(runner.layout, cuda_graphs=True)  # as on a GPU: one step per batch bucket
     nodes = layout.spec.nodes
     assert sorted(warm_steps(runner, layout, [nodes], repeats=1)) == [(1, nodes), (2, nodes), (4, nodes)]
-    hits = llm.engine.scheduler.pool.hits
+    hits = llm.engine.scheduler.prefix_hits
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert llm.engine.scheduler.pool.hits > hits
+    assert llm.engine.scheduler.prefix_hits > hits
     assert [o.outputs[0].token_ids for o in got] == want
 
 

@@ -230,7 +230,26 @@ def test_prefix_cache_shares_full_pages_and_prefills_only_the_rest():
     assert outs[0].outputs[0].token_ids == expected(system + [30, 31], 3)
     second = runner.prefills[-1]
     assert second.starts == [12] and second.prompts == [[13, 30, 31]]  # 3 cached pages, the rest prefilled
-    assert engine.scheduler.pool.hits == 3
+    assert engine.scheduler.prefix_hits == 3
+
+
+def test_prefix_cache_counts_each_admitted_request_once():
+    """A request that waits for pages is looked up in the cache at every try; the hit rate counts it once, when it
+    is admitted."""
+    runner = FakeRunner(accept=2)
+    engine = make_engine(runner, num_pages=18, prefix_caching=True)
+    system = list(range(1, 14))  # 3 full pages of 4, held by "a" while "c" waits
+    engine.add_request("a", system + [20], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("big", [45] * 24, SamplingParams(max_tokens=4, ignore_eos=True))  # the rest of the pool
+    engine.step()
+    engine.add_request("c", system + [30, 31], SamplingParams(max_tokens=3, ignore_eos=True))
+    waited = 0
+    while engine.has_unfinished_requests():
+        waited += any(s.request_id == "c" for s in engine.scheduler.waiting)
+        engine.step()
+    assert waited >= 2
+    # a's 3 pages, big's 5 (a prompt's last token is never cached), c's 3 found once
+    assert (engine.scheduler.prefix_lookups, engine.scheduler.prefix_hits) == (3 + 23 // 4 + 3, 3)
 
 
 def test_a_runner_failure_empties_the_prefix_cache():

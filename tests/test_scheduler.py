@@ -31,10 +31,10 @@ def reference() -> dict:
 def test_prefix_cache_hits_and_changes_nothing(reference, mode, params):
     llm = LLM(model="k2-tiny", **MODES[mode])
     assert tokens(llm, PARAMS[params]) == reference[(mode, params)]  # the first pass fills the cache
-    pool = llm.engine.scheduler.pool
-    hits = pool.hits
+    scheduler = llm.engine.scheduler
+    hits = scheduler.prefix_hits
     assert tokens(llm, PARAMS[params]) == reference[(mode, params)]  # the second pass reads it
-    assert pool.hits - hits >= 2 * len(PROMPTS)  # the shared system prompt's full pages, for every prompt
+    assert scheduler.prefix_hits - hits >= 2 * len(PROMPTS)  # the shared system prompt's full pages, for every prompt
 
 
 @pytest.mark.parametrize("params", list(PARAMS))

@@ -34,7 +34,6 @@ class PagePool:
         self._key_of: dict[int, bytes] = {}  # cached page -> its chain key
         self._page_of: dict[bytes, int] = {}  # chain key -> cached page
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
-        self.lookups = self.hits = 0  # prefix-cache pages asked for and found (the metrics' hit rate)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -78,8 +77,6 @@ class PagePool:
             if page is None:
                 break
             found.append(page)
-        self.lookups += len(keys)
-        self.hits += len(found)
         for page in found:
             if self._refs[page] == 0:
                 del self._idle[page]

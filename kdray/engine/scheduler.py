@@ -31,6 +31,7 @@ class Scheduler:
         self._free_slots = list(range(layout.num_slots - 1, -1, -1))
         self._turn = 0
         self.preemptions = 0
+        self.prefix_lookups = self.prefix_hits = 0  # full context pages of admitted requests; those found cached
 
     def pages_to_start(self, seq: Sequence) -> int:
         """Pages a request needs to be admitted (without the prefix cache): its context and the look-ahead."""
@@ -57,6 +58,8 @@ class Scheduler:
                 self.pool.release(cached)
                 break
             self.waiting.popleft()
+            if self.pool.prefix_caching:  # counted once a request is admitted, not at every try before
+                self.prefix_lookups, self.prefix_hits = self.prefix_lookups + full, self.prefix_hits + len(cached)
             seq.pages, seq.slot = cached + self.pool.allocate(need), self._free_slots.pop()
             seq.prefill_len, seq.prefilled, seq.registered = len(context), len(cached) * self.page_size, len(cached)
             self.running.append(seq)

@@ -230,7 +230,7 @@ class AsyncEngine:
             self._published = state
             self.metrics.engine_state(*state, self.engine.scheduler.pool.num_pages)
             sched, policy = self.engine.scheduler, self.engine.policy
-            self.metrics.scheduler(sched.pool.lookups, sched.pool.hits, sched.preemptions,
+            self.metrics.scheduler(sched.prefix_lookups, sched.prefix_hits, sched.preemptions,
                                    policy.calibration if policy is not None else [])
 
     def _fail_live(self, error: BaseException) -> list[str]:
