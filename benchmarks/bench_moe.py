@@ -117,13 +117,13 @@ def bench(ceil: Ceilings) -> list[Row]:
     return rows
 
 
-def sweep_families(tokens=(1, 17, 65, 257, 2080), I: int = 256):
-    """Every GEMM family at K2 TP8 shapes over the token counts of decode and verify steps: graph-replayed time and
+def sweep_families(tokens=(1, 17, 65, 257, 2080, 4096, 16384), I: int = 256):
+    """Every GEMM family at K2 TP8 shapes over the token counts of decode, verify and prefill: graph-replayed time and
     touched-expert bytes per second (the floor's rate), and the family ``w4a16_moe`` picks."""
     ceil = Ceilings.measure()
     int4 = random_int4_experts(E, H, I)
     expert_bytes = sum(t[0].numel() * t.element_size() for t in int4)
-    families = (SKINNY, "m16n1", "m32n2")
+    families = (SKINNY, *VARIANTS)
     rows = []
     for T in tokens:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

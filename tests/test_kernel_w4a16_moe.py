@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from gpu_checks import poison_allocator, rel_err
 
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
-from kdray.kernels.w4a16_moe import (SKINNY, _choose_variant, _w4a16_moe_cuda, random_int4_experts, w4a16_moe,
-                                     w4a16_moe_reference)
+from kdray.kernels.w4a16_moe import (SKINNY, VARIANTS, _choose_variant, _w4a16_moe_cuda, random_int4_experts,
+                                     w4a16_moe, w4a16_moe_reference)
 
 
 def _routing(T, E, k, device="cpu", experts=None, skip=0.0, gen=None):
@@ -104,7 +104,9 @@ def test_skinny_path_serves_few_rows_per_expert():
     assert _choose_variant(384, 7168, 256, 8 * 1) == SKINNY
     assert _choose_variant(384, 7168, 256, 8 * 192) == SKINNY
     assert _choose_variant(384, 7168, 256, 8 * 257) == "m16n1"
-    assert _choose_variant(384, 7168, 256, 8 * 32 * 65) == "m32n2"
+    assert _choose_variant(384, 7168, 256, 8 * 1024) == "m32n2"
+    assert _choose_variant(384, 7168, 256, 8 * 32 * 65) == "m64n2"  # a 32 x 64-node verify, or a prefill
+    assert _choose_variant(384, 7168, 384 - 64, 8 * 2080) == "m32n1"  # I % 128 != 0
     assert _choose_variant(32, 320, 64, 8) == "m16n1"  # H, I not multiples of 128
 
 
@@ -156,20 +158,21 @@ def test_cuda_matches_reference(T, H, I, E, k, used, skip):
         assert torch.equal(out[skipped], torch.zeros_like(out[skipped]))
 
 
-SKINNY_SHAPES = [  # T, H, I, E, k, experts used (None: all), share of -1 ids: both GEMM families on each
+SKINNY_SHAPES = [  # T, H, I, E, k, experts used (None: all), share of -1 ids: every GEMM family on each
     (1, 7168, 256, 384, 8, None, 0.0),  # K2 TP8 decode
     (17, 7168, 256, 384, 8, None, 0.0),  # a 16-node tree
     (3, 384, 128, 16, 2, None, 0.3),  # H % 256 == 128: a half down block
     (130, 256, 128, 8, 2, 3, 0.0),  # ~87 rows per expert: 11 skinny passes each
     (40, 1024, 384, 24, 4, None, 0.1),  # 3 chunks of K = I in the down GEMM
+    (2000, 1024, 256, 24, 8, None, 0.0),  # a prefill's ~670 rows per expert: several 128-row passes each
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [SKINNY, "m16n1", "m32n2"])
+@pytest.mark.parametrize("variant", [SKINNY, *VARIANTS])
 @pytest.mark.parametrize("T,H,I,E,k,used,skip", SKINNY_SHAPES)
 def test_cuda_variants_match_reference(T, H, I, E, k, used, skip, variant):
-    """Every GEMM family on shapes the other one serves by default, with the shared-expert ``add``."""
+    """Every GEMM family on shapes the others serve by default, with the shared-expert ``add``."""
     gen = torch.Generator("cuda").manual_seed(T * 31 + I + len(variant))
     w13p, w13s, w2p, w2s = random_int4_experts(E, H, I, "cuda", gen)
     experts = None if used is None else torch.randperm(E, device="cuda", generator=gen)[:used]

@@ -24,7 +24,7 @@ verify step's MoE can be captured in a CUDA graph:
 Two families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
 (passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
 rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
-staged through a cp.async pipeline in shared memory, 16 or 32 rows per pass).
+staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass).
 """
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ KC = 256  # k per pipeline stage
 THREADS = 256  # 8 warps per GEMM block
 MAX_E = 4096  # experts the routing block's shared memory holds
 # GEMM variants: (rows per pass MT, n8 tiles per warp half NT, pipeline stages); a tile is 128 * NT weight rows.
-VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2)}
+VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2), "m64n2": (64, 2, 2)}
 SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and I multiples of 128
 SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
+PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
 
 
 def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> tuple[int, int, int, int]:
@@ -158,8 +159,13 @@ def _choose_variant(E: int, H: int, I: int, slots: int) -> str:
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
-    # N tiles halve the activation re-reads (each tile stages its rows' activations again).
-    return "m16n1" if slots <= 8 * E else "m32n2" if I % 128 == 0 else "m32n1"
+    # N tiles halve the activation re-reads (each tile stages its rows' activations again); from a prefill's
+    # ~32 rows per expert, 64-row passes halve the weight dequantization per MMA (9-14% at 2k-16k tokens).
+    if slots <= 8 * E:
+        return "m16n1"
+    if I % 128:
+        return "m32n1"
+    return "m64n2" if slots >= PREFILL_ROWS_PER_EXPERT * E else "m32n2"
 
 
 def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
@@ -182,8 +188,8 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
         return out
     sms, slots = _sm_count(dev.index), T * k
     variant = variant or _choose_variant(E, H, I, slots)
-    if variant == "m32n2" and I % 128:
-        raise ValueError(f"variant m32n2 needs I % 128 == 0, got I={I}")
+    if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
+        raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
     if variant == SKINNY and (H % 128 or I % 128):
         raise ValueError(f"the skinny path needs H and I multiples of 128, got H={H}, I={I}")
     mt = SKINNY_ROWS if variant == SKINNY else VARIANTS[variant][0]

@@ -1,6 +1,7 @@
 """Kimi K2 / DeepSeek-V3 target: MLA attention over a paged latent cache and sigmoid-routed MoE.
 
-Prefill runs MLA in its plain form (keys and values expanded per head); verify steps run the absorbed
+Prefill runs MLA in its plain form (keys and values expanded per head, one variable-length FlashAttention call
+over the batch's prompts on a GPU); verify steps run the absorbed
 form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
@@ -16,6 +17,7 @@ from torch import nn
 from kdray.config import K2Config
 from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.moe_route import moe_route
+from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
@@ -94,16 +96,9 @@ class MLAttention(nn.Module):
         c = self.cfg
         kv = self.kv_b_proj(latent).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        outs, start = [], 0
-        for n in batch.q_lens:
-            sl = slice(start, start + n)
-            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-                                               is_causal=True, scale=c.softmax_scale)
-            outs.append(o.transpose(0, 1))
-            start += n
-        return torch.cat(outs)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)  # [T, Hl, nope + rope]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, Hl, nope + rope]
+        return prefill_attention(q, k, v, batch.cu_q, batch.q_lens, c.softmax_scale)
 
     def load(self, reader: CheckpointReader, prefix: str):
         names = ["q_proj"] if self.cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]

@@ -1,16 +1,16 @@
 """Dense Llama-family target (Llama 2/3, SmolLM2, ...): GQA attention over a paged KV cache, SwiGLU MLP.
 
-Prefill runs causal SDPA over each prompt; verify passes run the tree-verify kernel's GQA form over the
+Prefill runs causal attention over the batch's prompts (``prefill_attention``); verify passes run the tree-verify kernel's GQA form over the
 cache. Tensor parallelism splits the attention heads (q/k/v column-parallel, o_proj row-parallel), the
 MLP width and the vocabulary; each shard caches only its own KV heads.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import LlamaConfig
+from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
@@ -41,22 +41,11 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(T, self.kv_heads, D)
         cache.view(-1, 2, self.kv_heads, D)[batch.slot_mapping] = torch.stack([k, v], dim=1).to(cache.dtype)
         if batch.is_prefill:
-            out = self._causal(q, k, v, batch.q_lens)
+            out = prefill_attention(q, k, v, batch.cu_q, batch.q_lens, self.scale)  # [T, Hl, D]
         else:
             out = gqa_tree_attention(q, cache, batch.block_table, batch.prefix_lens, batch.cu_q, batch.tree_mask,
                                      self.scale)  # [T, Hl, D]
         return self.o_proj(out.reshape(T, self.heads * D))
-
-    def _causal(self, q, k, v, q_lens: list[int]) -> torch.Tensor:
-        """Causal attention inside each prompt -> ``[T, Hl, D]``."""
-        outs, start = [], 0
-        for n in q_lens:
-            sl = slice(start, start + n)
-            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-                                               is_causal=True, scale=self.scale, enable_gqa=True)
-            outs.append(o.transpose(0, 1))
-            start += n
-        return torch.cat(outs)
 
     def load(self, reader: CheckpointReader, prefix: str):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -377,24 +377,26 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
   cp_async_wait<0>();
 }
 
-#define MOE_GEMMS(NAME, MT, NT, STAGES)                                                                         \
-  extern "C" __global__ void __launch_bounds__(THREADS, 2) moe_up_##NAME(                                       \
+#define MOE_GEMMS(NAME, MT, NT, STAGES, MIN_BLOCKS)                                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_up_##NAME(                                       \
       const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot, \
       const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb) {                        \
     moe_gemm<0, MT, NT, STAGES>(x_perm, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, nullptr, k, H, \
                                 I, n_tiles, tpb);                                                              \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(THREADS, 2) moe_down_##NAME(                                     \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##NAME(                                     \
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,      \
       const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb) {  \
     moe_gemm<1, MT, NT, STAGES>(h, w2_packed, w2_scale, sorted_slot, passes, nullptr, topk_weights, acc, k, H, \
                                 I, n_tiles, tpb);                                                              \
   }
 
-// (rows per pass MT, n8 tiles per warp half NT, stages): ~104 KB of shared memory each, 2 blocks per SM.
-MOE_GEMMS(m16n1, 16, 1, 4)  // T <= 16
-MOE_GEMMS(m32n1, 32, 1, 3)  // a few rows per expert
-MOE_GEMMS(m32n2, 32, 2, 2)  // many rows per expert: BN = 256 halves the activation re-reads per weight byte
+// (rows per pass MT, n8 tiles per warp half NT, stages, blocks per SM): ~104 KB of shared memory each for the
+// first three (2 blocks per SM), 136 KB for the prefill size (one block per SM).
+MOE_GEMMS(m16n1, 16, 1, 4, 2)  // T <= 16
+MOE_GEMMS(m32n1, 32, 1, 3, 2)  // a few rows per expert
+MOE_GEMMS(m32n2, 32, 2, 2, 2)  // many rows per expert: BN = 256 halves the activation re-reads per weight byte
+MOE_GEMMS(m64n2, 64, 2, 2, 1)  // prefill: each dequantized weight feeds twice the MMAs
 
 // out = bf16(acc), or bf16(float(bf16(acc)) + float(add)) (torch's rounding of `routed + add`), 4 values per
 // thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.

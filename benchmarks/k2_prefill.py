@@ -1,0 +1,152 @@
+"""Prefill of one TP8 shard of Kimi K2 at real dimensions (eager, as the engine runs prefill), against its floor.
+
+    python -m benchmarks.k2_prefill [--layers 61] [--prompts 1024 4096 16384 65536 8x2048] [--md FILE]
+
+The shard is the one ``benchmarks/k2_step.py`` builds (``K2Model`` at K2's dimensions divided for TP8, random
+parameters, random INT4 experts). A prompt cell ``N`` is one prompt of N tokens, ``BxN`` a batch of B prompts of
+N tokens each, prefilled into an empty paged latent cache in one pass, ending with the logits of every prompt's
+last token (what prefill hands to sampling).
+
+Columns: time (median of 3 eager passes after a warm-up); compute floor = FLOPs / the bf16 GEMM rate measured in
+the same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the
+shared experts, the router; not the embedding, and the vocabulary projection for the last tokens only)
++ 2 x tokens x 8 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x
+(qk 192 + v 128) x N(N+1)/2 per prompt and layer; the ratio; prompt tokens per second; and the GPU time by kind
+(attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
+table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: a --base kdray can come first
+import kdray  # noqa: E402
+from benchmarks.common import Ceilings, print_table  # noqa: E402
+from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
+from kdray.config import K2Config  # noqa: E402
+from kdray.model.batch import ForwardBatch  # noqa: E402
+from kdray.model.k2 import K2Model  # noqa: E402
+
+TARGETS = {1024: 3.0}  # time / floor of issue 21; 4096 tokens and beyond: 2.0
+HEADER = ["prompts", "tokens", "time ms", "floor ms", "time / floor", "target", "prompt tok/s",
+          "attention / experts / GEMM / rest ms"]
+KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tree_attn")),
+         ("experts", ("w4a16", "moe")),
+         ("GEMM", ("gemm", "sm90", "cutlass", "cublas", "nvjet", "xmma", "splitk")))
+
+
+def parse_cell(cell: str) -> tuple[int, int]:
+    """``N`` -> (1, N); ``BxN`` -> (B, N)."""
+    b, _, n = cell.rpartition("x")
+    return int(b or 1), int(n)
+
+
+def prefill_batch(cfg: K2Config, B: int, N: int):
+    """B prompts of N tokens into an empty cache: the batch and the latent cache ``[layers, P, PAGE, 576]``."""
+    g = torch.Generator("cuda").manual_seed(B * 100003 + N)
+    pages = -(-N // PAGE)
+    kv = torch.zeros(cfg.num_hidden_layers, B * pages, PAGE, cfg.kv_cache_dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
+    ids = torch.randint(0, cfg.vocab_size, (B * N,), device="cuda", generator=g)
+    positions = torch.arange(N, device="cuda").repeat(B)
+    return ForwardBatch.build(ids, positions, [N] * B, [0] * B, table, PAGE, None), kv
+
+
+def prefill_flops(model: K2Model, cfg: K2Config, B: int, N: int) -> float:
+    """The FLOPs the module docstring counts."""
+    T = B * N
+    vocab_params = cfg.vocab_size * cfg.hidden_size  # lm_head: the last tokens only
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    attention = 2 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * B * N * (N + 1) / 2
+    return (2 * T * (matmul_params(model) - vocab_params) + 2 * B * vocab_params
+            + 2 * T * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * moe_layers
+            + attention * cfg.num_hidden_layers)
+
+
+def gpu_time_by_kind(run) -> tuple[dict[str, float], str]:
+    """(milliseconds of GPU time per kind of kernel in one ``run()``, its 8 largest kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    kinds = {k: 0.0 for k, _ in KINDS} | {"rest": 0.0}
+    for name, ms in by_name.items():
+        low = name.lower()
+        kind = next((k for k, keys in KINDS if any(key in low for key in keys)), "rest")
+        kinds[kind] += ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return kinds, ", ".join(f"{n[:60]} {ms:.1f} ms" for n, ms in top)
+
+
+def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[str]:
+    B, N = parse_cell(cell)
+    batch, kv = prefill_batch(cfg, B, N)
+    last = batch.cu_q[1:].long() - 1  # [B]
+
+    def run():
+        hidden, _ = model(batch, kv)
+        return model.logits(hidden[last])
+
+    with torch.no_grad():
+        run()  # kernels compiled, allocator warm
+        times = []
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        kinds, top = gpu_time_by_kind(run)
+    t = statistics.median(times)
+    floor = prefill_flops(model, cfg, B, N) / ceil.bf16_flop_per_s * 1e3
+    target = TARGETS.get(N, 2.0 if N >= 4096 else None)
+    print(f"# {cell}: {t:.1f} ms (floor {floor:.1f}); largest kernels: {top}", flush=True)
+    return [cell, str(B * N), f"{t:.1f}", f"{floor:.1f}", f"{t / floor:.2f}x", f"<= {target}x" if target else "-",
+            f"{B * N / t * 1e3:.0f}", " / ".join(f"{kinds[k]:.0f}" for k in ("attention", "experts", "GEMM", "rest"))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--prompts", nargs="+", default=["1024", "4096", "16384", "65536", "8x2048"],
+                    help="cells N (one prompt of N tokens) or BxN (B prompts of N tokens)")
+    ap.add_argument("--label", default="", help="printed in the header (e.g. before / after)")
+    ap.add_argument("--md", help="also write the table (with its header line) to this Markdown file")
+    args = ap.parse_args()
+
+    ceil = Ceilings.measure()
+    head = (f"# k2_prefill {args.label} {datetime.date.today()} {torch.cuda.get_device_name()}: bf16 GEMM "
+            f"{ceil.bf16_flop_per_s / 1e12:.0f} TFLOP/s; {args.layers} layers; kdray from "
+            f"{Path(kdray.__file__).parent}")
+    print(head, flush=True)
+    cfg = shard_config(args.layers)
+    model = random_shard(cfg)
+    rows = []
+    for cell in args.prompts:
+        try:
+            rows.append(measure(model, cfg, ceil, cell))
+        except torch.OutOfMemoryError as e:
+            print(f"# {cell}: out of memory ({str(e).splitlines()[0]})", flush=True)
+            rows.append([cell, str(parse_cell(cell)[0] * parse_cell(cell)[1]), "OOM"] + ["-"] * 5)
+        gc.collect()
+        torch.cuda.empty_cache()
+    table = print_table(rows, HEADER)
+    if args.md:
+        Path(args.md).write_text(head + "\n\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
