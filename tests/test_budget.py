@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kdray import LLM, SamplingParams
-from kdray.engine.build import warm_steps
+from kdray.engine.build import warm_prefill, warm_steps
 from kdray.kernels.tree_build import tree_build
 from kdray.spec.budget import BudgetPolicy, width_masses
 
@@ -98,8 +98,8 @@ def test_auto_budget_output_equals_ar():
 
 @pytest.mark.parametrize("spec", ["ar", "ddtree"])
 def test_warm_up_steps_every_batch_bucket_and_leaves_cached_prefixes_intact(spec):
-    """The warm-up between two runs of the same prompts: the second reuses the first's cached KV pages and
-    must still give the same tokens (a warm-up step writing into those pages would change them)."""
+    """The warm-up (steps and a prefill) between two runs of the same prompts: the second reuses the first's cached
+    KV pages and must still give the same tokens (a warm-up writing into those pages would change them)."""
     kw = dict(model="k2-tiny", spec=spec, max_num_seqs=4)
     if spec == "ddtree":
         kw.update(drafter="random", block_size=4, budget=16)
@@ -111,6 +111,7 @@ def test_warm_up_steps_every_batch_bucket_and_leaves_cached_prefixes_intact(spec
     layout = dataclasses.replace(runner.layout, cuda_graphs=True)  # as on a GPU: one step per batch bucket
     nodes = layout.spec.nodes
     assert sorted(warm_steps(runner, layout, [nodes], repeats=1)) == [(1, nodes), (2, nodes), (4, nodes)]
+    warm_prefill(runner, layout)
     hits = llm.engine.scheduler.prefix_hits
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert llm.engine.scheduler.prefix_hits > hits

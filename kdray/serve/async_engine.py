@@ -13,6 +13,7 @@ replica).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import threading
@@ -132,6 +133,10 @@ class AsyncEngine:
         self._wait_s = 0.0  # recent time from submission to first token (smoothed): the Retry-After estimate
         self._stopped = False
         self._published: tuple = ()
+        # What start-up built (the model, the graphs, the imports) lives as long as the server: moved out of the
+        # collector's generations, a full collection no longer walks it and stalls every stream (as in vLLM).
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._main, name="kdray-engine", daemon=True)
         self._thread.start()
 
