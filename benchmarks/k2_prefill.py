@@ -5,13 +5,16 @@
 The shard is the one ``benchmarks/k2_step.py`` builds (``K2Model`` at K2's dimensions divided for TP8, random
 parameters, random INT4 experts). A prompt cell ``N`` is one prompt of N tokens, ``BxN`` a batch of B prompts of
 N tokens each, prefilled into an empty paged latent cache in one pass, ending with the logits of every prompt's
-last token (what prefill hands to sampling).
+last token (what prefill hands to sampling). A cell ``P+N`` is the prefill of a request whose first P tokens are
+in the prefix cache: N new tokens attending to the cached P (the engine's form of a chunk after cached tokens:
+the verify pass with a causal mask); compare it with the cell ``P+N``'s whole prompt, ``P+N`` tokens uncached.
 
 Columns: time (median of 3 eager passes after a warm-up); compute floor = FLOPs / the bf16 GEMM rate measured in
 the same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the
 shared experts, the router; not the embedding, and the vocabulary projection for the last tokens only)
 + 2 x tokens x 8 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x
-(qk 192 + v 128) x N(N+1)/2 per prompt and layer; the ratio; prompt tokens per second; and the GPU time by kind
+(qk 192 + v 128) x N(N+1)/2 per prompt and layer (after a cached prefix, the absorbed form's 2 x heads x
+(576 + 512) per query and visible key); the ratio; prompt tokens per second; and the GPU time by kind
 (attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
 table.
 """
@@ -31,7 +34,7 @@ import kdray  # noqa: E402
 from benchmarks.common import Ceilings, print_table  # noqa: E402
 from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
 from kdray.config import K2Config  # noqa: E402
-from kdray.model.batch import ForwardBatch  # noqa: E402
+from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
 from kdray.model.k2 import K2Model  # noqa: E402
 
 TARGETS = {1024: 3.0}  # time / floor of issue 21; 4096 tokens and beyond: 2.0
@@ -42,29 +45,38 @@ KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tree_a
          ("GEMM", ("gemm", "sm90", "cutlass", "cublas", "nvjet", "xmma", "splitk")))
 
 
-def parse_cell(cell: str) -> tuple[int, int]:
-    """``N`` -> (1, N); ``BxN`` -> (B, N)."""
+def parse_cell(cell: str) -> tuple[int, int, int]:
+    """``N`` -> (1, 0, N); ``BxN`` -> (B, 0, N); ``P+N`` -> (1, P, N): prompts, cached prefix, new tokens each."""
+    if "+" in cell:
+        p, _, n = cell.partition("+")
+        return 1, int(p), int(n)
     b, _, n = cell.rpartition("x")
-    return int(b or 1), int(n)
+    return int(b or 1), 0, int(n)
 
 
-def prefill_batch(cfg: K2Config, B: int, N: int):
-    """B prompts of N tokens into an empty cache: the batch and the latent cache ``[layers, P, PAGE, 576]``."""
-    g = torch.Generator("cuda").manual_seed(B * 100003 + N)
-    pages = -(-N // PAGE)
+def prefill_batch(cfg: K2Config, B: int, P: int, N: int):
+    """B prompts of N new tokens after P cached ones (a random latent cache): the batch and the cache
+    ``[layers, pages, PAGE, 576]``."""
+    g = torch.Generator("cuda").manual_seed(B * 100003 + P * 7 + N)
+    pages = -(-(P + N) // PAGE)
     kv = torch.zeros(cfg.num_hidden_layers, B * pages, PAGE, cfg.kv_cache_dim, dtype=torch.bfloat16, device="cuda")
+    kv.normal_(generator=g)
     table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
     ids = torch.randint(0, cfg.vocab_size, (B * N,), device="cuda", generator=g)
-    positions = torch.arange(N, device="cuda").repeat(B)
-    return ForwardBatch.build(ids, positions, [N] * B, [0] * B, table, PAGE, None), kv
+    positions = (P + torch.arange(N, device="cuda")).repeat(B)
+    mask = causal_tree_mask([N] * B, "cuda") if P else None  # a chunk after cached tokens: the verify form
+    return ForwardBatch.build(ids, positions, [N] * B, [P] * B, table, PAGE, mask), kv
 
 
-def prefill_flops(model: K2Model, cfg: K2Config, B: int, N: int) -> float:
+def prefill_flops(model: K2Model, cfg: K2Config, B: int, P: int, N: int) -> float:
     """The FLOPs the module docstring counts."""
     T = B * N
     vocab_params = cfg.vocab_size * cfg.hidden_size  # lm_head: the last tokens only
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    attention = 2 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * B * N * (N + 1) / 2
+    if P:  # absorbed attention over the cached prefix and the causal chunk
+        attention = 2 * cfg.num_attention_heads * (cfg.kv_cache_dim + cfg.kv_lora_rank) * B * N * (P + (N + 1) / 2)
+    else:
+        attention = 2 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * B * N * (N + 1) / 2
     return (2 * T * (matmul_params(model) - vocab_params) + 2 * B * vocab_params
             + 2 * T * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * moe_layers
             + attention * cfg.num_hidden_layers)
@@ -91,8 +103,8 @@ def gpu_time_by_kind(run) -> tuple[dict[str, float], str]:
 
 
 def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[str]:
-    B, N = parse_cell(cell)
-    batch, kv = prefill_batch(cfg, B, N)
+    B, P, N = parse_cell(cell)
+    batch, kv = prefill_batch(cfg, B, P, N)
     last = batch.cu_q[1:].long() - 1  # [B]
 
     def run():
@@ -111,8 +123,8 @@ def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[st
             times.append(a.elapsed_time(b))
         kinds, top = gpu_time_by_kind(run)
     t = statistics.median(times)
-    floor = prefill_flops(model, cfg, B, N) / ceil.bf16_flop_per_s * 1e3
-    target = TARGETS.get(N, 2.0 if N >= 4096 else None)
+    floor = prefill_flops(model, cfg, B, P, N) / ceil.bf16_flop_per_s * 1e3
+    target = None if P else TARGETS.get(N, 2.0 if N >= 4096 else None)
     print(f"# {cell}: {t:.1f} ms (floor {floor:.1f}); largest kernels: {top}", flush=True)
     return [cell, str(B * N), f"{t:.1f}", f"{floor:.1f}", f"{t / floor:.2f}x", f"<= {target}x" if target else "-",
             f"{B * N / t * 1e3:.0f}", " / ".join(f"{kinds[k]:.0f}" for k in ("attention", "experts", "GEMM", "rest"))]
@@ -121,8 +133,9 @@ def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[st
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--prompts", nargs="+", default=["1024", "4096", "16384", "65536", "8x2048"],
-                    help="cells N (one prompt of N tokens) or BxN (B prompts of N tokens)")
+    ap.add_argument("--prompts", nargs="+", default=["1024", "4096", "16384", "65536", "8x2048", "2080", "2048+32"],
+                    help="cells N (one prompt of N tokens), BxN (B prompts of N tokens) or P+N (N tokens after P "
+                         "cached ones)")
     ap.add_argument("--label", default="", help="printed in the header (e.g. before / after)")
     ap.add_argument("--md", help="also write the table (with its header line) to this Markdown file")
     args = ap.parse_args()
@@ -140,7 +153,8 @@ def main():
             rows.append(measure(model, cfg, ceil, cell))
         except torch.OutOfMemoryError as e:
             print(f"# {cell}: out of memory ({str(e).splitlines()[0]})", flush=True)
-            rows.append([cell, str(parse_cell(cell)[0] * parse_cell(cell)[1]), "OOM"] + ["-"] * 5)
+            B, _, N = parse_cell(cell)
+            rows.append([cell, str(B * N), "OOM"] + ["-"] * 5)
         gc.collect()
         torch.cuda.empty_cache()
     table = print_table(rows, HEADER)
