@@ -1,9 +1,11 @@
 """Prefill of one TP8 shard of Kimi K2 at real dimensions (eager, as the engine runs prefill), against its floor.
 
     python -m benchmarks.k2_prefill [--layers 61] [--prompts 1024 4096 16384 65536 8x2048] [--md FILE]
+    python -m benchmarks.k2_prefill --model smollm2-135m --prompts 1024 4096 8192 8x1024
 
 The shard is the one ``benchmarks/k2_step.py`` builds (``K2Model`` at K2's dimensions divided for TP8, random
-parameters, random INT4 experts). A prompt cell ``N`` is one prompt of N tokens, ``BxN`` a batch of B prompts of
+parameters, random INT4 experts); ``--model smollm2-135m`` runs the Llama-family path instead, SmolLM2-135M's
+dimensions with random weights (the same prefill attention). A prompt cell ``N`` is one prompt of N tokens, ``BxN`` a batch of B prompts of
 N tokens each, prefilled into an empty paged latent cache in one pass, ending with the logits of every prompt's
 last token (what prefill hands to sampling). A cell ``P+N`` is the prefill of a request whose first P tokens are
 in the prefix cache: N new tokens attending to the cached P (the engine's form of a chunk after cached tokens:
@@ -13,8 +15,8 @@ Columns: time (median of 3 eager passes after a warm-up); compute floor = FLOPs 
 the same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the
 shared experts, the router; not the embedding, and the vocabulary projection for the last tokens only)
 + 2 x tokens x 8 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x
-(qk 192 + v 128) x N(N+1)/2 per prompt and layer (after a cached prefix, the absorbed form's 2 x heads x
-(576 + 512) per query and visible key); the ratio; prompt tokens per second; and the GPU time by kind
+(qk + v head dims: 192 + 128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached
+prefix, the absorbed form's 2 x heads x (576 + 512) per query and visible key); the ratio; prompt tokens per second; and the GPU time by kind
 (attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
 table.
 """
@@ -32,11 +34,15 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: a --base kdray can come first
 import kdray  # noqa: E402
 from benchmarks.common import Ceilings, print_table  # noqa: E402
-from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
-from kdray.config import K2Config  # noqa: E402
+from benchmarks.k2_step import PAGE, fill_random, matmul_params, random_shard, shard_config  # noqa: E402
+from kdray.config import K2Config, LlamaConfig  # noqa: E402
 from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
-from kdray.model.k2 import K2Model  # noqa: E402
+from kdray.model.llama import LlamaModel  # noqa: E402
 
+# SmolLM2-135M-Instruct's dimensions (its GGUF's metadata), for the Llama-family rows
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+               max_position_embeddings=8192, tie_word_embeddings=True)
 TARGETS = {1024: 3.0}  # time / floor of issue 21; 4096 tokens and beyond: 2.0
 HEADER = ["prompts", "tokens", "time ms", "floor ms", "time / floor", "target", "prompt tok/s",
           "attention / experts / GEMM / rest ms"]
@@ -54,12 +60,14 @@ def parse_cell(cell: str) -> tuple[int, int, int]:
     return int(b or 1), 0, int(n)
 
 
-def prefill_batch(cfg: K2Config, B: int, P: int, N: int):
-    """B prompts of N new tokens after P cached ones (a random latent cache): the batch and the cache
-    ``[layers, pages, PAGE, 576]``."""
+def prefill_batch(model, B: int, P: int, N: int):
+    """B prompts of N new tokens after P cached ones (a random cache): the batch and the cache
+    ``[layers, pages, PAGE, *row]``."""
+    cfg = model.cfg
     g = torch.Generator("cuda").manual_seed(B * 100003 + P * 7 + N)
     pages = -(-(P + N) // PAGE)
-    kv = torch.zeros(cfg.num_hidden_layers, B * pages, PAGE, cfg.kv_cache_dim, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(cfg.num_hidden_layers, B * pages, PAGE, *model.kv_row_shape, dtype=torch.bfloat16,
+                     device="cuda")
     kv.normal_(generator=g)
     table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
     ids = torch.randint(0, cfg.vocab_size, (B * N,), device="cuda", generator=g)
@@ -68,18 +76,20 @@ def prefill_batch(cfg: K2Config, B: int, P: int, N: int):
     return ForwardBatch.build(ids, positions, [N] * B, [P] * B, table, PAGE, mask), kv
 
 
-def prefill_flops(model: K2Model, cfg: K2Config, B: int, P: int, N: int) -> float:
+def prefill_flops(model, B: int, P: int, N: int) -> float:
     """The FLOPs the module docstring counts."""
-    T = B * N
-    vocab_params = cfg.vocab_size * cfg.hidden_size  # lm_head: the last tokens only
-    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    if P:  # absorbed attention over the cached prefix and the causal chunk
-        attention = 2 * cfg.num_attention_heads * (cfg.kv_cache_dim + cfg.kv_lora_rank) * B * N * (P + (N + 1) / 2)
+    cfg, T = model.cfg, B * N
+    vocab_params = cfg.vocab_size * cfg.hidden_size  # the LM head: the last tokens only
+    per_token = matmul_params(model) - (0 if cfg.tie_word_embeddings else vocab_params)  # a tied head is not counted
+    if isinstance(cfg, K2Config):
+        moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+        per_token += cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * moe_layers
+        # the absorbed form after a cached prefix, the plain form from scratch
+        dims = cfg.kv_cache_dim + cfg.kv_lora_rank if P else cfg.qk_head_dim + cfg.v_head_dim
     else:
-        attention = 2 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * B * N * (N + 1) / 2
-    return (2 * T * (matmul_params(model) - vocab_params) + 2 * B * vocab_params
-            + 2 * T * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * moe_layers
-            + attention * cfg.num_hidden_layers)
+        dims = 2 * cfg.head_dim
+    attention = 2 * cfg.num_attention_heads * dims * B * N * (P + (N + 1) / 2)
+    return 2 * T * per_token + 2 * B * vocab_params + attention * cfg.num_hidden_layers
 
 
 def gpu_time_by_kind(run) -> tuple[dict[str, float], str]:
@@ -102,9 +112,9 @@ def gpu_time_by_kind(run) -> tuple[dict[str, float], str]:
     return kinds, ", ".join(f"{n[:60]} {ms:.1f} ms" for n, ms in top)
 
 
-def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[str]:
+def measure(model, ceil: Ceilings, cell: str) -> list[str]:
     B, P, N = parse_cell(cell)
-    batch, kv = prefill_batch(cfg, B, P, N)
+    batch, kv = prefill_batch(model, B, P, N)
     last = batch.cu_q[1:].long() - 1  # [B]
 
     def run():
@@ -123,8 +133,9 @@ def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[st
             times.append(a.elapsed_time(b))
         kinds, top = gpu_time_by_kind(run)
     t = statistics.median(times)
-    floor = prefill_flops(model, cfg, B, P, N) / ceil.bf16_flop_per_s * 1e3
-    target = None if P else TARGETS.get(N, 2.0 if N >= 4096 else None)
+    floor = prefill_flops(model, B, P, N) / ceil.bf16_flop_per_s * 1e3
+    k2 = isinstance(model.cfg, K2Config)  # the targets are issue 21's, for the K2 shard
+    target = None if P or not k2 else TARGETS.get(N, 2.0 if N >= 4096 else None)
     print(f"# {cell}: {t:.1f} ms (floor {floor:.1f}); largest kernels: {top}", flush=True)
     return [cell, str(B * N), f"{t:.1f}", f"{floor:.1f}", f"{t / floor:.2f}x", f"<= {target}x" if target else "-",
             f"{B * N / t * 1e3:.0f}", " / ".join(f"{kinds[k]:.0f}" for k in ("attention", "experts", "GEMM", "rest"))]
@@ -132,7 +143,8 @@ def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str) -> list[st
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--model", choices=("k2", "smollm2-135m"), default="k2")
+    ap.add_argument("--layers", type=int, default=61, help="K2's layers")
     ap.add_argument("--prompts", nargs="+", default=["1024", "4096", "16384", "65536", "8x2048", "2080", "2048+32"],
                     help="cells N (one prompt of N tokens), BxN (B prompts of N tokens) or P+N (N tokens after P "
                          "cached ones)")
@@ -142,15 +154,18 @@ def main():
 
     ceil = Ceilings.measure()
     head = (f"# k2_prefill {args.label} {datetime.date.today()} {torch.cuda.get_device_name()}: bf16 GEMM "
-            f"{ceil.bf16_flop_per_s / 1e12:.0f} TFLOP/s; {args.layers} layers; kdray from "
-            f"{Path(kdray.__file__).parent}")
+            f"{ceil.bf16_flop_per_s / 1e12:.0f} TFLOP/s; {args.model}"
+            f"{f', {args.layers} layers' if args.model == 'k2' else ''}; kdray from {Path(kdray.__file__).parent}")
     print(head, flush=True)
-    cfg = shard_config(args.layers)
-    model = random_shard(cfg)
+    if args.model == "k2":
+        model = random_shard(shard_config(args.layers))
+    else:
+        with torch.device("cuda"):
+            model = fill_random(LlamaModel(LlamaConfig(**SMOLLM2), torch.bfloat16))
     rows = []
     for cell in args.prompts:
         try:
-            rows.append(measure(model, cfg, ceil, cell))
+            rows.append(measure(model, ceil, cell))
         except torch.OutOfMemoryError as e:
             print(f"# {cell}: out of memory ({str(e).splitlines()[0]})", flush=True)
             B, _, N = parse_cell(cell)

@@ -60,12 +60,17 @@ def shard_config(layers: int) -> K2Config:
             "g": {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}}}})
 
 
-@torch.no_grad()
 def random_shard(cfg: K2Config) -> K2Model:
     """The shard with every parameter filled in place on the GPU (no host copy of the ~65 GB)."""
-    torch.manual_seed(0)
     with torch.device("cuda"):
-        model = K2Model(cfg, torch.bfloat16)
+        return fill_random(K2Model(cfg, torch.bfloat16))
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s parameters and buffers filled in place, seeded (INT4 experts as random bytes: every nibble
+    uniform, so no expert row shares a common-mode part and tokens route apart as K2's do)."""
+    torch.manual_seed(0)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq"):
             continue
