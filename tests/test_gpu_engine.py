@@ -44,6 +44,28 @@ def test_bf16_ddtree_with_cuda_graphs_equals_ar():
     assert all(outs[0].metrics["seconds"][stage] > 0 for stage in STAGES)
 
 
+@pytest.mark.parametrize("spec", ["ar", "ddtree"])
+def test_prefill_replayed_from_graphs_equals_eager(spec):
+    """Requests one at a time: each prompt is a lone chunk, prefilled from a graph padded to its bucket, the later
+    ones after their cached shared prefix (the verify form); a 600-token prompt is over the buckets and runs
+    eagerly. fp32: the same tokens as the engine without graphs."""
+    kw = dict(model="k2-tiny", device="cuda", dtype="float32", spec=spec, max_num_seqs=4)
+    if spec == "ddtree":
+        kw.update(drafter="random", budget=16, block_size=4)
+    system = torch.randint(2, 1000, (40,), generator=GEN).tolist()  # two full pages, cached after the first
+    prompts = [system + [50 + i] * (1 + 7 * i) for i in range(4)] + [torch.randint(2, 1000, (600,)).tolist()]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    results = []
+    for graphs in (True, False):
+        llm = LLM(**kw, cuda_graphs=graphs)
+        results.append([tokens(llm.generate(prompt_token_ids=[p], sampling_params=params)) for p in prompts])
+        if graphs:
+            captured = {key[0] for key in llm.engine.runner._prompt_graphs._captures}
+            assert captured == {(("cached", False),), (("cached", True),)}
+            assert llm.engine.scheduler.prefix_hits >= 2 * 3  # the later prompts found the shared pages
+    assert results[0] == results[1]
+
+
 def test_no_automatic_garbage_collection_inside_a_capture():
     """A graph that becomes garbage in a reference cycle (an engine dropped in a cycle) dies whenever the GC
     runs; CUDA forbids destroying a graph while a stream captures, which invalidates the capture. Here the

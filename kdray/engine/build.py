@@ -81,13 +81,16 @@ def warm_steps(runner, layout: EngineLayout, widths: list[int], repeats: int = 2
 
 
 def warm_prefill(runner, layout: EngineLayout):
-    """One page of prompt prefilled in the scratch slot (its KV to the scratch page): what the prefill path loads
-    or compiles on first use (seconds on a GPU, measured 3.4 s for SmolLM2 on the H200) is paid at start-up, not
-    by the first request."""
+    """Prompts prefilled in the scratch slot (their KV to the scratch page): what the prefill path loads or
+    compiles on first use (seconds on a GPU, measured 3.4 s for SmolLM2 on the H200) is paid at start-up, not by
+    the first request, and a lone chunk's graphs are captured at every prompt bucket, with nothing cached before
+    it and after a cached page."""
     scratch_page = layout.num_pages  # the page after the pool's (see ModelRunner)
-    batch = PrefillBatch(slots=[layout.num_slots], prompts=[[0] * layout.page_size], starts=[0],
-                         pages=[[scratch_page]], params=[SamplingParams()], seeds=[0], last=[True], roots=[None])
-    runner.prefill(batch).result()
+    buckets = runner.prompt_buckets() if isinstance(runner, ModelRunner) else []
+    for size, start in [(layout.page_size, 0)] + [(n, s) for n in buckets for s in (0, layout.page_size)]:
+        batch = PrefillBatch(slots=[layout.num_slots], prompts=[[0] * size], starts=[start], pages=[[scratch_page]],
+                             params=[SamplingParams()], seeds=[0], last=[True], roots=[None])
+        runner.prefill(batch).result()
 
 
 def warm_up(runner, layout: EngineLayout) -> BudgetPolicy | None:

@@ -5,7 +5,9 @@ sampling settings, each slot's bonus token and cached length). A step reads its 
 it on the device, so the next step needs nothing from the host but the list of slots: the host reads a
 step's tokens back while the next one runs. AR, chain and DDTree are the same step with different trees:
 the root alone, a single path, or the best-first tree. In-process one runner does all of it
-(:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs); on Ray a shard's runner verifies,
+(:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs; a lone prompt chunk of up to 512 tokens
+is prefilled from a graph too, since an eager pass of a short chunk costs more host time than device time); on
+Ray a shard's runner verifies,
 accepts and commits, and the drafter actor's runner drafts and builds (see :mod:`kdray.actors`), calling the
 same stage methods.
 """
@@ -29,6 +31,7 @@ from kdray.spec.budget import WIDTHS, width_masses
 from kdray.spec.sampling import RowParams, choose_tokens
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts a lone prompt chunk's graphed forward is padded to
 
 
 def bucket(n: int, limit: int) -> int:
@@ -86,9 +89,11 @@ class SlotState:
         self.block_table[torch.tensor(list(pages), device=dev)] = rows.to(dev)
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
-        """After a prefill: each slot's bonus token is its first generated one, its cached length the prompt's."""
+        """After a prefill: each slot's bonus token is its first generated one, its cached length the prompt's. The
+        scratch slot (the warm-up's prefills) stays at length 0."""
         self.roots[idx] = first
         self.prefix_lens[idx] = prompt_lens.to(torch.int32)
+        self.prefix_lens[self.scratch:].zero_()
 
     def inputs(self, idx: torch.Tensor, all_greedy: bool) -> StepInputs:
         """The state of slots ``idx [B]`` for one step."""
@@ -153,10 +158,20 @@ class ModelRunner:
         self._step_graphs = graphed(self._step_fn)
         self._propose_graphs = graphed(self._propose_fn)
         self._settle_graphs = graphed(self._settle_fn)
+        self._prompt_graphs = GraphedFn(self._prompt_fn, lambda: lambda: None) if self.graphs and target_kv else None
+        # [2] int32 per padded size: the one prompt's row offsets
+        self._prompt_cu = {n: torch.tensor([0, n], dtype=torch.int32, device=self.device) for n in PROMPT_BUCKETS}
 
     def shutdown(self):
         """Free the KV caches and captured graphs; the runner cannot step afterwards."""
         self.kv = self.draft_kv = self._step_graphs = self._propose_graphs = self._settle_graphs = None
+        self._prompt_graphs = None
+
+    def prompt_buckets(self) -> list[int]:
+        """The padded sizes a lone prompt chunk's forward replays from graphs at (none without graphs) that fit a
+        sequence's block table after a cached page: what the warm-up captures."""
+        room = self.layout.max_pages_per_seq * self.page_size - self.page_size
+        return [n for n in PROMPT_BUCKETS if n <= room] if self._prompt_graphs is not None else []
 
     def timer(self) -> StageTimer:
         return StageTimer(cuda=self.device.type == "cuda")
@@ -167,14 +182,15 @@ class ModelRunner:
     def prefill(self, batch: PrefillBatch) -> Pending[list[int]]:
         """In-process prefill: the prompts, then their features into the drafter's context -> the first tokens,
         on their way to the host."""
-        done = self.run_prompts(batch)
+        done = self.run_prompts(batch, self._prompt_graphs)
         if done.features is not None:
             self.add_context(done.features, done.positions, done.cache_rows)
         return self._to_host([done.first], lambda host, _: host[0])
 
-    def run_prompts(self, batch: PrefillBatch) -> Prefilled:
+    def run_prompts(self, batch: PrefillBatch, graphs: GraphedFn | None = None) -> Prefilled:
         """Record the sequences' slots, run their context chunks (after their cached tokens), cache the KV; at a
-        context's last chunk, start the slot at its first token (the one chosen here, or the given root)."""
+        context's last chunk, start the slot at its first token (the one chosen here, or the given root). With
+        ``graphs``, a lone chunk that fits a prompt bucket replays its forward from them."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         ids = torch.tensor([t for p in batch.prompts for t in p], dtype=torch.int64, device=self.device)
@@ -183,15 +199,48 @@ class ModelRunner:
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
         mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
         fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
-        hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
         last = fb.cu_q[1:].long() - 1  # [B]
+        logits, features = self.forward_prompts(fb, batch.starts, last, graphs)
         inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots))
-        first = choose_tokens(self.target.model.logits(hidden[last]), positions[last], inputs.params)
+        first = choose_tokens(logits, positions[last], inputs.params)
         given = torch.tensor([-1 if r is None else r for r in batch.roots], device=self.device)
         first = torch.where(given >= 0, given, first)  # [B]
         done = torch.tensor(batch.last, device=self.device)
         self.slots.start(idx[done], first[done], positions[last][done] + 1)
         return Prefilled(first, features, positions, fb.slot_mapping)
+
+    def forward_prompts(self, fb: ForwardBatch, starts: list[int], last: torch.Tensor, graphs: GraphedFn | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over the chunks of ``fb`` (starting after ``starts`` cached tokens) -> (the logits at rows
+        ``last [B]``: ``[B, V]``, the context features ``[T, F]`` or None). A lone chunk of at most a prompt
+        bucket's tokens is padded to the bucket and replayed from ``graphs``: the padding rows come after the
+        chunk's, so causal attention keeps them from the chunk's tokens, and their KV goes to the scratch page
+        (their positions stay inside the block table, which the verify form reads)."""
+        T, limit = fb.input_ids.shape[0], self.layout.max_pages_per_seq * self.page_size
+        size = next((n for n in PROMPT_BUCKETS if n >= T), None) if graphs is not None else None
+        if size is None or len(starts) != 1 or starts[0] + size > limit:
+            hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
+            return self.target.model.logits(hidden[last]), features
+        pad = size - T
+        after = torch.arange(1, pad + 1, device=self.device)  # [pad]
+        scratch = self.slots.scratch_page * self.page_size + after % self.page_size  # [pad] rows of the scratch page
+        inputs = (torch.cat([fb.input_ids, torch.zeros_like(after)]), torch.cat([fb.positions, fb.positions[-1] + after]),
+                  fb.prefix_lens, fb.block_table, torch.cat([fb.slot_mapping, scratch]), last)
+        cached = fb.tree_mask is not None
+        if cached:  # a chunk after cached tokens: the verify form, causal over the padded chunk
+            inputs += (causal_tree_mask([size], self.device),)
+        (logits, features), _ = graphs(inputs, cached=cached)
+        return logits, None if features is None else features[:T]
+
+    def _prompt_fn(self, timer: StageTimer, ids: torch.Tensor, positions: torch.Tensor, prefix_lens: torch.Tensor,
+                   block_table: torch.Tensor, slot_mapping: torch.Tensor, last: torch.Tensor,
+                   mask: torch.Tensor | None = None, cached: bool = False):
+        """One padded chunk's forward (what :meth:`forward_prompts` replays) -> (logits ``[1, V]``, features)."""
+        size = ids.shape[0]
+        fb = ForwardBatch(input_ids=ids, positions=positions, cu_q=self._prompt_cu[size], q_lens=[size],
+                          prefix_lens=prefix_lens, block_table=block_table, slot_mapping=slot_mapping, tree_mask=mask)
+        hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
+        return self.target.model.logits(hidden[last]), features
 
     def absorb_prompts(self, batch: PrefillBatch, features: torch.Tensor, first: torch.Tensor):
         """The drafter actor's prefill, from shard 0's results: record the sequences' slots, write the chunks'
