@@ -9,7 +9,7 @@ from kdray.engine.engine import Engine, RunnerFailure
 from kdray.engine.kv_pages import PagePool, extend_keys
 from kdray.engine.layout import EngineLayout
 from kdray.engine.scheduler import Scheduler
-from kdray.engine.step import Pending, StepResult
+from kdray.engine.step import Pending, StepResult, first_tokens
 
 VOCAB = 50
 
@@ -34,7 +34,7 @@ class FakeRunner:
         for slot, chunk, start, last, root in zip(batch.slots, batch.prompts, batch.starts, batch.last, batch.roots):
             self.cached[slot] = start + len(chunk)
             first.append(root if root is not None else token_at(start + len(chunk)))
-        return Pending.ready(first)
+        return Pending.ready(first_tokens(first))
 
     def step(self, batch):
         self.steps.append(batch)
