@@ -231,7 +231,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "stop": "."}, "stop", "stop"),  # no tokenizer
     ("/v1/completions", {"model": "k2-tiny", "prompt": [[1]] * 19, "n": 16}, "n", "n"),  # over the capacity
     ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "stream": "yes"}, "stream", "stream"),
-    ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "logprobs": 2}, "logprobs", "logprobs"),
+    ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "logprobs": 21}, "logprobs", "logprobs"),
     ("/v1/completions", {"model": "k2-tiny", "prompt": {"text": "hi"}}, "prompt", "prompt"),
     ("/v1/completions", {"model": "k2-tiny", "prompt": "needs a tokenizer"}, "prompt", "prompt"),
     ("/v1/completions", {"model": "k2-tiny", "prompt": [5000]}, "prompt", None),  # past the vocabulary

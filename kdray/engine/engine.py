@@ -288,8 +288,11 @@ class Engine:
 
 def _logprobs(token: int, values: list[float], ids: list[int], k: int) -> dict[int, Logprob]:
     """One emitted token's ``{token id: Logprob}``: the token first, then the top ``k`` (from
-    :func:`kdray.spec.logprobs.token_logprobs`'s values and ids)."""
-    out = {token: Logprob(values[0], ids[0])}
+    :func:`kdray.spec.logprobs.token_logprobs`'s values and ids). The token's rank is its place in that top list
+    when it is there (ties are ordered as the list orders them), else after it."""
+    top = ids[1:]
+    rank = top.index(token) + 1 if token in top else max(ids[0], len(top) + 1)
+    out = {token: Logprob(values[0], rank)}
     for rank, (t, v) in enumerate(zip(ids[1:1 + k], values[1:1 + k]), start=1):
         out.setdefault(t, Logprob(v, rank))
     return out
