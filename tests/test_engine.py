@@ -142,6 +142,25 @@ def test_include_stop_str_in_output_keeps_the_first_stop_string():
     assert c.text == "".join(f"<{t}>" for t in seq[:4])
 
 
+@pytest.mark.parametrize("stop", ["string", "token id", "eos"])
+def test_min_tokens_holds_off_every_stop_until_that_many_tokens_are_out(stop):
+    """The third token stops the request with min_tokens=3; with min_tokens=5 it does not (the runner masks EOS and
+    stop_token_ids before then; the engine does not stop on them, nor on a stop string, either)."""
+    prompt = [1]
+    seq = expected(prompt, 12)
+    fields = {"string": dict(stop=f"<{seq[2]}>", ignore_eos=True), "token id": dict(stop_token_ids=[seq[2]],
+                                                                                   ignore_eos=True), "eos": {}}[stop]
+    for min_tokens, tokens, reason in ((3, seq[:3], "stop"), (5, seq, "length")):
+        engine = make_engine(FakeRunner(accept=4), tokenizer=AngleTokenizer(), eos=(seq[2],) if stop == "eos" else ())
+        c = run(engine, [prompt], [SamplingParams(max_tokens=12, min_tokens=min_tokens, **fields)])[0].outputs[0]
+        assert (c.token_ids, c.finish_reason) == (tokens, reason)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"logit_bias: token id 50 is outside the vocabulary \[0, 50\)"):
+        make_engine(FakeRunner()).add_request("a", [1, 2], SamplingParams(logit_bias={VOCAB: 1.0}))
+
+
 def test_stop_strings_without_a_tokenizer_are_refused_not_ignored():
     with pytest.raises(ValueError, match="stop: model 'fake' has no tokenizer"):
         make_engine(FakeRunner()).add_request("a", [1, 2], SamplingParams(stop="."))
