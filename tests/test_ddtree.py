@@ -83,7 +83,7 @@ def field_params(name: str, ar_tiny: list[list[int]], sampled: bool) -> list[Sam
     fields = {
         "penalised": dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.8),
         # penalties that favour repeats: each tree node's choice hangs on the counts of its own path
-        "repeating": dict(presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=0.8),
+        "repeating": dict(presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=0.5),
         # the plain request's first token banned, another pushed up: the argmax changes
         "biased": dict(logit_bias={**{r[0]: -100.0 for r in ar_tiny}, 17: 2.0}),
         "min_p": dict(min_p=0.3, temperature=1.0, seed=7),

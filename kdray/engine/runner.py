@@ -104,19 +104,20 @@ class SlotState:
             put(state, values)
         for slot, p in zip(batch.slots, ps):
             self.greedy[slot], self.features[slot] = p.greedy, p.features
-        for slot, n, history in zip(batch.slots, batch.prompt_lens, batch.histories):
-            if history is not None and self.vocab is not None:
-                self._reset_counts(slot, history[:n], history[n:])
-
-    def _reset_counts(self, slot: int, prompt: list[int], output: list[int]):
-        """A penalised request's slot: its prompt's tokens and its output's counts (made at first use)."""
-        dev = self.block_table.device
-        if self.counts is None:
+        if self.vocab is None or not any("penalties" in p.features for p in ps):
+            return
+        if self.counts is None:  # the first penalised request
             n = self.block_table.shape[0]
             self.counts = torch.zeros(n, self.vocab, dtype=torch.float32, device=dev)  # [n, V]
             self.prompt_seen = torch.zeros(n, self.vocab, dtype=torch.bool, device=dev)  # [n, V]
-        self.counts[slot] = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=self.vocab).float().to(dev)
-        self.prompt_seen[slot] = torch.bincount(torch.tensor(prompt, dtype=torch.int64), minlength=self.vocab).to(dev) > 0
+        for slot, n, history in zip(batch.slots, batch.prompt_lens, batch.histories):
+            if history is not None:  # the prompt's tokens and the output's counts (a resumed request has output)
+                self.counts[slot] = self._bincount(history[n:]).float()
+                self.prompt_seen[slot] = self._bincount(history[:n]) > 0
+
+    def _bincount(self, tokens: list[int]) -> torch.Tensor:
+        """``[V]`` int64 on the device: each token's count in ``tokens``."""
+        return torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=self.vocab).to(self.block_table.device)
 
     def set_pages(self, pages: dict[int, list[int]]):
         """Block-table rows ``{slot: pages}``; unused entries point at the scratch page."""
