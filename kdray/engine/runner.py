@@ -92,8 +92,15 @@ class SlotState:
 
         ps = batch.params
         for state, values in ((self.temperature, [p.temperature for p in ps]), (self.top_k, [p.top_k for p in ps]),
-                              (self.top_p, [p.top_p for p in ps]), (self.seeds, batch.seeds),
-                              (self.prompt_lens, batch.prompt_lens), (self.min_tokens, [p.min_tokens for p in ps]),
+                              (self.top_p, [p.top_p for p in ps]), (self.seeds, batch.seeds)):
+            put(state, values)
+        # the costly fields' settings: written when these requests, or the slots' last ones, use any of them
+        plain = not any(p.features for p in ps) and not any(self.features[s] for s in batch.slots)
+        for slot, p in zip(batch.slots, ps):
+            self.greedy[slot], self.features[slot] = p.greedy, p.features
+        if plain:
+            return
+        for state, values in ((self.prompt_lens, batch.prompt_lens), (self.min_tokens, [p.min_tokens for p in ps]),
                               (self.min_p, [p.min_p for p in ps]), (self.presence, [p.presence_penalty for p in ps]),
                               (self.frequency, [p.frequency_penalty for p in ps]),
                               (self.repetition, [p.repetition_penalty for p in ps]),
@@ -102,8 +109,6 @@ class SlotState:
                                                   for p in ps]),
                               (self.ban_ids, [_padded(b, MAX_BAN, -1) for b in batch.bans])):
             put(state, values)
-        for slot, p in zip(batch.slots, ps):
-            self.greedy[slot], self.features[slot] = p.greedy, p.features
         if self.vocab is None or not any("penalties" in p.features for p in ps):
             return
         if self.counts is None:  # the first penalised request
@@ -147,12 +152,14 @@ class SlotState:
         return StepInputs(slots=idx, roots=self.roots[idx], prefix_lens=self.prefix_lens[idx],
                           block_table=self.block_table[idx], params=params, extras=extras)
 
-    def transforms(self, rows: torch.Tensor, positions: torch.Tensor, extras: tuple[str, ...],
+    def transforms(self, idx: torch.Tensor, positions: torch.Tensor, extras: tuple[str, ...], width: int = 1,
                    path: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> RowTransforms | None:
-        """The logit changes of rows choosing at ``positions [R]`` for slots ``rows [R]`` (None: the batch has none).
-        ``path``: the trees' (tokens, parents, depth), whose path tokens each node's penalties count."""
+        """The logit changes of the ``width`` rows per slot of ``idx [B]`` choosing at ``positions [B * width]``
+        (None: the batch has none). ``path``: the trees' (tokens, parents, depth), whose path tokens each node's
+        penalties count."""
         if not {"bias", "min_tokens", "penalties"} & set(extras):
             return None
+        rows = idx.repeat_interleave(width)  # [R]
         t = RowTransforms()
         if "bias" in extras:
             t.bias_ids, t.bias_values = self.bias_ids[rows], self.bias_values[rows]
@@ -457,7 +464,7 @@ class ModelRunner:
                                                                   params.seeds)), all_greedy=params.all_greedy,
                          min_p=None if params.min_p is None else params.min_p.repeat_interleave(width))
         logits = verified.logits
-        changes = self.slots.transforms(inputs.slots.repeat_interleave(width), verified.positions, inputs.extras,
+        changes = self.slots.transforms(inputs.slots, verified.positions, inputs.extras, width,
                                         (tree.tokens, tree.parents, self.spec.depth))
         if changes is not None:
             logits = apply_transforms(logits, changes)

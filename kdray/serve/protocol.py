@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kdray.engine.request import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
-                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K)
+                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K, SamplingParams)
 
 MAX_N = 16  # choices per request
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
@@ -167,12 +167,12 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # kdray / vLLM extension: token ids beside the text
-    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    presence_penalty: float = Field(SamplingParams.presence_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(SamplingParams.frequency_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(SamplingParams.repetition_penalty, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] = Field({}, max_length=MAX_LOGIT_BIAS)
-    min_p: float = Field(0.0, ge=0, le=1)  # vLLM's
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)  # vLLM's
+    min_p: float = Field(SamplingParams.min_p, ge=0, le=1)  # vLLM's
+    min_tokens: int = Field(SamplingParams.min_tokens, ge=0, le=MAX_TOKENS)  # vLLM's
     user: str | None = None  # METADATA_FIELDS
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
