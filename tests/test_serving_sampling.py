@@ -46,6 +46,7 @@ def call(serving: OpenAIServing, route: str, body: dict):
     (CompletionRequest, {"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
     (CompletionRequest, {"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
     (CompletionRequest, {"logit_bias": {"five": 1}}, "logit_bias", "token ids written as decimal strings"),
+    (CompletionRequest, {"logit_bias": {"99999999": 1}}, "logit_bias", "token ids written as decimal strings"),
     (CompletionRequest, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 items"),
     (CompletionRequest, {"logprobs": 21}, "logprobs", "less than or equal to 20"),
     (CompletionRequest, {"logprobs": True}, "logprobs", "valid integer"),

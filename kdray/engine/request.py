@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device; the engine draws its own from 63 bits
 MAX_TOP_K = 1 << 20  # beyond any vocabulary, where top_k is the same as off
 MAX_TOKENS = 1 << 24  # beyond any context length
+MAX_VOCAB = 1 << 24  # beyond any vocabulary: token ids lie below it
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY]
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
@@ -84,9 +85,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}} of at most {MAX_LOGIT_BIAS} "
                              "entries")
         for t, b in bias.items():
-            if not _whole(t, 0, MAX_TOKENS) or not (_real(b) and abs(b) <= MAX_BIAS):
+            if not _whole(t, 0, MAX_VOCAB - 1) or not (_real(b) and abs(b) <= MAX_BIAS):
                 raise ValueError(f"SamplingParams.logit_bias[{_shown(t)}]={_shown(b)}: keys must be token ids "
-                                 f"(integers >= 0), values numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+                                 f"(integers in [0, 2^24)), values numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         self.logit_bias = {t: float(b) for t, b in bias.items()} or None
 
     @property

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kdray.engine.request import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
-                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K, SamplingParams)
+                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K, MAX_VOCAB, SamplingParams)
 
 MAX_N = 16  # choices per request
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
@@ -196,7 +196,7 @@ class GenerationRequest(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = [k for k in v if not (k.isascii() and k.isdigit() and len(k) <= 9)]
+        bad = [k for k in v if not (k.isascii() and k.isdigit() and len(k) <= 9 and int(k) < MAX_VOCAB)]
         if bad:
             raise ValueError(f"keys must be token ids written as decimal strings, like \"50256\" (got {bad[0][:20]!r})")
         return v
