@@ -92,7 +92,7 @@ def test_min_p_keeps_exactly_the_tokens_at_least_min_p_times_the_likeliest():
 def test_logprobs_are_the_raw_log_softmax_with_rank_and_top():
     logits = randn(2, 3, V)
     tokens = torch.randint(0, V, (2, 3), generator=GEN)
-    values, ids = token_logprobs(logits, tokens)
+    values, ids = token_logprobs(logits, tokens, 20)
     ref = torch.log_softmax(logits.double(), -1)
     assert values.shape == ids.shape == (2, 3, 21)
     assert torch.allclose(values[..., 0].double(), ref.gather(-1, tokens[..., None])[..., 0], atol=1e-6)

@@ -17,7 +17,7 @@ import torch
 
 from kdray.engine.cuda_graphs import GraphedFn
 from kdray.engine.layout import EngineLayout
-from kdray.engine.request import MAX_BAN, MAX_LOGIT_BIAS
+from kdray.engine.request import MAX_BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, PrefillBatch, StageTimer, StepBatch,
                                StepInputs, StepResult, Verified, first_tokens, unpack_logprobs, unpack_tokens)
 from kdray.kernels.kv_compact import kv_compact
@@ -288,7 +288,7 @@ class ModelRunner:
         first = torch.where(given >= 0, given, first)  # [B]
         done = torch.tensor(batch.last, device=self.device)
         self.slots.start(idx[done], first[done], positions[last][done] + 1)
-        logprobs = token_logprobs(logits, first) if "logprobs" in extras else None
+        logprobs = token_logprobs(logits, first, MAX_LOGPROBS) if "logprobs" in extras else None
         return Prefilled(first, features, positions, fb.slot_mapping, logprobs)
 
     def absorb_prompts(self, batch: PrefillBatch, features: torch.Tensor, first: torch.Tensor):
@@ -488,7 +488,7 @@ class ModelRunner:
         if "logprobs" in inputs.extras:
             logits = verified.logits.view(kept.shape[0], tree.tokens.shape[1], -1)  # [B, 1+N, V]
             path_logits = logits.gather(1, kept[..., None].expand(-1, -1, logits.shape[-1]))  # [B, 1+L, V]
-            committed.logprobs = token_logprobs(path_logits, committed.emitted())
+            committed.logprobs = token_logprobs(path_logits, committed.emitted(), MAX_LOGPROBS)
         return committed
 
     def path_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
