@@ -293,6 +293,6 @@ def _logprobs(token: int, values: list[float], ids: list[int], k: int) -> dict[i
     top = ids[1:]
     rank = top.index(token) + 1 if token in top else max(ids[0], len(top) + 1)
     out = {token: Logprob(values[0], rank)}
-    for rank, (t, v) in enumerate(zip(ids[1:1 + k], values[1:1 + k]), start=1):
-        out.setdefault(t, Logprob(v, rank))
+    for place, (t, v) in enumerate(zip(top[:k], values[1:1 + k]), start=1):
+        out.setdefault(t, Logprob(v, place))
     return out

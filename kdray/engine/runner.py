@@ -184,7 +184,8 @@ class SlotState:
         """Add a step's emitted tokens to the penalties' counts of slots ``idx``."""
         emitted = committed.emitted()  # [B, 1+L]
         kept = torch.arange(emitted.shape[1], device=idx.device)[None, :] < committed.length[:, None]  # [B, 1+L]
-        self.counts.index_put_((idx[:, None].expand_as(emitted), emitted), kept.float(), accumulate=True)
+        flat = idx[:, None] * self.vocab + emitted  # [B, 1+L]: rows of the flattened counts
+        self.counts.view(-1).scatter_add_(0, flat.flatten(), kept.float().flatten())
 
     def all_greedy(self, slots: list[int]) -> bool:
         return all(self.greedy[s] for s in slots)
