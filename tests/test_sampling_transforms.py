@@ -81,11 +81,12 @@ def test_min_p_keeps_exactly_the_tokens_at_least_min_p_times_the_likeliest():
     temperature, min_p = 0.7, 0.2
     probs = (logits / temperature).softmax(-1)
     allowed = probs >= min_p * probs.max(-1, keepdim=True).values  # [2, V]
-    seen = torch.zeros(2, V, dtype=torch.bool)
-    for seed in range(400):
-        p = RowParams(torch.full((2,), temperature), torch.zeros(2, dtype=torch.int64), torch.ones(2),
-                      torch.full((2,), seed), False, torch.full((2,), min_p))
-        seen[torch.arange(2), choose_tokens(logits, torch.tensor([4, 4]), p)] = True
+    n = 400  # draws per row, one seed each
+    rows = logits.repeat_interleave(n, 0)  # [2n, V]
+    p = RowParams(torch.full((2 * n,), temperature), torch.zeros(2 * n, dtype=torch.int64), torch.ones(2 * n),
+                  torch.arange(2 * n), False, torch.full((2 * n,), min_p))
+    chosen = choose_tokens(rows, torch.full((2 * n,), 4), p).view(2, n)
+    seen = torch.zeros(2, V, dtype=torch.bool).scatter_(1, chosen, True)
     assert torch.equal(seen, allowed)  # all of them drawn, nothing else
 
 
