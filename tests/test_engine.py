@@ -9,7 +9,7 @@ from kdray.engine.engine import Engine, RunnerFailure
 from kdray.engine.kv_pages import PagePool, extend_keys
 from kdray.engine.layout import EngineLayout
 from kdray.engine.scheduler import Scheduler
-from kdray.engine.step import Pending, StepResult
+from kdray.engine.step import Pending, StepResult, first_tokens
 
 VOCAB = 50
 
@@ -34,7 +34,7 @@ class FakeRunner:
         for slot, chunk, start, last, root in zip(batch.slots, batch.prompts, batch.starts, batch.last, batch.roots):
             self.cached[slot] = start + len(chunk)
             first.append(root if root is not None else token_at(start + len(chunk)))
-        return Pending.ready(first)
+        return Pending.ready(first_tokens(first))
 
     def step(self, batch):
         self.steps.append(batch)
@@ -140,6 +140,25 @@ def test_include_stop_str_in_output_keeps_the_first_stop_string():
     c = run(make_engine(FakeRunner(accept=3), tokenizer=AngleTokenizer()), [prompt], [params])[0].outputs[0]
     assert c.finish_reason == "stop" and c.token_ids == seq[:4]
     assert c.text == "".join(f"<{t}>" for t in seq[:4])
+
+
+@pytest.mark.parametrize("stop", ["string", "token id", "eos"])
+def test_min_tokens_holds_off_every_stop_until_that_many_tokens_are_out(stop):
+    """The third token stops the request with min_tokens=3; with min_tokens=5 it does not (the runner masks EOS and
+    stop_token_ids before then; the engine does not stop on them, nor on a stop string, either)."""
+    prompt = [1]
+    seq = expected(prompt, 12)
+    fields = {"string": dict(stop=f"<{seq[2]}>", ignore_eos=True), "token id": dict(stop_token_ids=[seq[2]],
+                                                                                   ignore_eos=True), "eos": {}}[stop]
+    for min_tokens, tokens, reason in ((3, seq[:3], "stop"), (5, seq, "length")):
+        engine = make_engine(FakeRunner(accept=4), tokenizer=AngleTokenizer(), eos=(seq[2],) if stop == "eos" else ())
+        c = run(engine, [prompt], [SamplingParams(max_tokens=12, min_tokens=min_tokens, **fields)])[0].outputs[0]
+        assert (c.token_ids, c.finish_reason) == (tokens, reason)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"logit_bias: token id 50 is outside the vocabulary \[0, 50\)"):
+        make_engine(FakeRunner()).add_request("a", [1, 2], SamplingParams(logit_bias={VOCAB: 1.0}))
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_not_ignored():

@@ -196,3 +196,41 @@ def test_verify_pass_replayed_from_cuda_graph_equals_eager(shape):
     assert torch.isfinite(eager).all()
     for out in (first, again):  # the MoE kernel sums experts with atomics: equal up to summation order
         assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-3
+
+
+FIELDS = dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={17: 2.0, 5: -100.0},
+              min_p=0.05, min_tokens=6, logprobs=3)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_fields_under_cuda_graphs_equal_the_cpu_reference(sampled):
+    """fp32 on the GPU, the step replayed from CUDA graphs (captured with the fields' features): DDTree's tokens and
+    log-probabilities equal AR's on the CPU, and a plain request batched with them equals its own run."""
+    params = SamplingParams(max_tokens=32, ignore_eos=True, **FIELDS,
+                            **(dict(temperature=1.0, seed=5) if sampled else {}))
+    cpu = LLM(model="k2-tiny", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    gpu = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=32,
+              block_size=8, cuda_graphs=True)
+    plain = SamplingParams(max_tokens=32, ignore_eos=True)
+    outs = gpu.generate(prompt_token_ids=PROMPTS + PROMPTS[:1], sampling_params=[params] * len(PROMPTS) + [plain])
+    assert tokens(outs[:-1]) == tokens(cpu)
+    assert tokens(outs[-1:]) == tokens(gpu.generate(prompt_token_ids=PROMPTS[:1], sampling_params=plain))
+    for g, c in zip(outs, cpu):
+        g, c = g.outputs[0], c.outputs[0]
+        assert [list(d)[0] for d in g.logprobs] == g.token_ids
+        assert [d[t].logprob for t, d in zip(g.token_ids, g.logprobs)] == pytest.approx(
+            [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], abs=1e-4)
+    keys = [key for key in gpu.engine.runner._step_graphs._captures if ("extras", ()) not in key[0]]
+    assert keys, "no step was captured with the fields' features"
+    assert not gpu.engine.runner._step_graphs._eager
+
+
+def test_bf16_fields_with_cuda_graphs_equal_ar():
+    """bf16 and CUDA graphs: DDTree under the fields emits AR's tokens (near-ties of bf16 logits aside, as the
+    plain bf16 test)."""
+    params = SamplingParams(max_tokens=32, ignore_eos=True, **FIELDS)
+    ar = LLM(model="k2-tiny", device="cuda", dtype="bfloat16", spec="ar", cuda_graphs=True)
+    dd = LLM(model="k2-tiny", device="cuda", dtype="bfloat16", drafter="random", spec="ddtree", budget=64,
+             block_size=16, cuda_graphs=True)
+    assert tokens(dd.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == \
+        tokens(ar.generate(prompt_token_ids=PROMPTS, sampling_params=params))

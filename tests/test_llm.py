@@ -28,12 +28,24 @@ def test_dict_prompts_and_the_outputs_prompt_fields(tiny):
         [o.outputs[0].token_ids for o in tiny.generate(prompt_token_ids=[[5, 6, 7], [8]], sampling_params=params)]
     out = by_dict[0]
     assert (out.prompt, out.prompt_token_ids) == (None, [5, 6, 7])
-    assert (out.outputs[0].cumulative_logprob, out.outputs[0].logprobs) == (None, None)
+    assert (out.outputs[0].cumulative_logprob, out.outputs[0].logprobs) == (None, None)  # not asked for
     for bad, message in [({"prompt": "x"}, "has no tokenizer"), ({"prompt_token_ids": [1], "prompt": "x"},
                                                                  "holds 'prompt' .* or 'prompt_token_ids'"),
                          ({"multi_modal_data": {}}, "not \\['multi_modal_data'\\]"), ([1, 2], "not list")]:
         with pytest.raises(ValueError, match=message):
             tiny.generate([bad])
+
+
+def test_outputs_carry_logprobs_and_their_sum_when_asked(tiny):
+    """vLLM's shape: per token ``{token id: Logprob}``, the emitted token first (with its rank), then the top k."""
+    c = tiny.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=5, logprobs=2,
+                                                                                   temperature=1.0, seed=1))[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 5
+    for t, d in zip(c.token_ids, c.logprobs):
+        assert list(d)[0] == t and 2 <= len(d) <= 3
+        ranks = sorted(lp.rank for u, lp in d.items() if u != t or lp.rank <= 2)
+        assert ranks[:2] == [1, 2] and all(lp.logprob <= 0 for lp in d.values())
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
 
 
 def test_chat_renders_the_template_with_tools_and_template_arguments(k2_chat_llm):

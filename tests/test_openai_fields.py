@@ -78,11 +78,14 @@ GENERATION = {  # both routes
     "stream": changes(True, lambda a, b: b.startswith("data: ") and b.endswith("data: [DONE]\n\n")),
     "stream_options": refused({"include_usage": True}),  # without stream (as vLLM)
     "return_token_ids": changes(True, lambda a, b: b["choices"][0]["token_ids"][-1] == IDS[END]),
-    "logprobs": refused(True),
-    "top_logprobs": refused(2),
-    "frequency_penalty": refused(0.5),
-    "presence_penalty": refused(0.5),
-    "logit_bias": refused({"300": 5}),
+    # a bias makes the uniform draw favour token 300; the penalties then move it off the token once drawn
+    "logit_bias": changes({"300": 100}, lambda a, b: b["choices"][0]["token_ids"] == [300] * 4, "random"),
+    "frequency_penalty": changes(2, tokens_differ, "random", logit_bias={"300": 8}),
+    "presence_penalty": changes(2, tokens_differ, "random", logit_bias={"300": 8}),
+    "repetition_penalty": changes(10, tokens_differ, "random", logit_bias={"300": 8}),
+    "min_p": changes(0.5, lambda a, b: b["choices"][0]["token_ids"] == [300] * 4 != a["choices"][0]["token_ids"],
+                     "random", logit_bias={"300": 5}),
+    "min_tokens": changes(8, lambda a, b: b["usage"]["completion_tokens"] == 8 > a["usage"]["completion_tokens"]),
     **{name: metadata({"team": "a"} if name == "metadata" else "client-7") for name in METADATA_FIELDS},
 }
 FIELDS = {
@@ -91,12 +94,17 @@ FIELDS = {
         "prompt": changes("Paris, France", prompt_tokens_differ),
         "echo": changes(True, lambda a, b: texts(b) == [BASES["/v1/completions"]["prompt"] + texts(a)[0]]),
         "best_of": refused(3),  # only best_of == n
-        "logprobs": refused(2),
+        "logprobs": changes(2, lambda a, b: a["choices"][0]["logprobs"] is None and
+                            len(b["choices"][0]["logprobs"]["token_logprobs"]) == b["usage"]["completion_tokens"]),
         "suffix": refused("!"),
     },
     "/v1/chat/completions": {
         **GENERATION,
         "max_completion_tokens": changes(2, lambda a, b: b["usage"]["completion_tokens"] == 2),
+        "logprobs": changes(True, lambda a, b: a["choices"][0]["logprobs"] is None and
+                            len(b["choices"][0]["logprobs"]["content"]) == b["usage"]["completion_tokens"]),
+        "top_logprobs": changes(2, lambda a, b: all(len(e["top_logprobs"]) == 2
+                                                    for e in b["choices"][0]["logprobs"]["content"]), logprobs=True),
         "messages": changes([{"role": "user", "content": "Hi there"}], prompt_tokens_differ),
         "tools": changes(TOOLS, lambda a, b: calls(b) == ["get_weather", "get_time"], max_tokens=20),
         "tool_choice": changes("none", lambda a, b: calls(a) and not calls(b), "tools"),
@@ -153,7 +161,7 @@ def test_a_field_has_an_effect_or_answers_400_naming_it(k2_chat, route, name):
         assert effect(answer_before, answer), json.dumps([answer_before, answer])[:2000]
 
 
-def test_best_of_equal_to_n_is_served_and_echo_waits_for_logprobs(k2_chat):
+def test_best_of_equal_to_n_is_served_and_echo_refuses_logprobs(k2_chat):
     status, answer = post(k2_chat, "/v1/completions", {**BASES["/v1/completions"], "n": 2, "best_of": 2})
     assert status == 200 and len(answer["choices"]) == 2
     status, answer = post(k2_chat, "/v1/completions", {**BASES["/v1/completions"], "echo": True, "logprobs": 1})

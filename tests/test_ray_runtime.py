@@ -88,10 +88,21 @@ def test_a_vocabulary_the_width_does_not_divide_is_padded(cluster, vocab211):
 def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp):
     reference = generate("k2-tiny", PROMPTS, 24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
+    # the fields that change the distribution travel in the prefill plan; log-probabilities come back with tokens
+    fields = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3, presence_penalty=-1.0,
+                            frequency_penalty=-1.0, repetition_penalty=1.2, logit_bias={17: 2.0}, min_p=0.05,
+                            min_tokens=4, logprobs=2)
+    with LLM(model="k2-tiny", **SPEC) as llm:
+        in_process = [o.outputs[0] for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)]
     free = ray.available_resources().get("CPU", 0)
     with LLM(model="k2-tiny", **SPEC, tp=tp, distributed="ray") as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         assert tokens(outs) == reference
+        on_ray = [o.outputs[0] for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)]
+        assert [c.token_ids for c in on_ray] == [c.token_ids for c in in_process]
+        assert [list(d) for c in on_ray for d in c.logprobs] == [list(d) for c in in_process for d in c.logprobs]
+        assert [c.cumulative_logprob for c in on_ray] == pytest.approx([c.cumulative_logprob for c in in_process],
+                                                                        abs=1e-3)
         pg = llm.engine.runner.actors.placement_group
     # Every stage is timed under its own name on Ray too: the drafter's draft and build, the shards' rest.
     assert all(outs[0].metrics["seconds"][stage] > 0 for stage in ("draft", "build", "verify", "accept", "commit"))

@@ -1,6 +1,6 @@
 """The scheduler for real traffic on a real (tiny) model, fp32: identical outputs with the prefix cache on and
 off, under forced preemption, and with every chunk size of chunked prefill down to one page, for AR, chain and
-DDTree, greedy and seeded sampling."""
+DDTree, greedy and seeded sampling, and under the fields that change the distribution."""
 import pytest
 import torch
 
@@ -12,7 +12,11 @@ PROMPTS = [SYSTEM + torch.randint(2, 1000, (n,), generator=GEN).tolist() for n i
 MODES = {"ar": {"spec": "ar"}, "chain": {"drafter": "random", "spec": "chain", "block_size": 4},
          "ddtree": {"drafter": "random", "spec": "ddtree", "budget": 8, "block_size": 4}}
 PARAMS = {"greedy": SamplingParams(max_tokens=24, ignore_eos=True),
-          "seeded": SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=17)}
+          "seeded": SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=17),
+          # per-slot state rebuilt from the context after a preemption, at the last chunk, past cached pages
+          "fields": SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=17, presence_penalty=-2.0,
+                                   frequency_penalty=-2.0, repetition_penalty=0.8, logit_bias={5: 3.0}, min_p=0.05,
+                                   min_tokens=3, logprobs=1)}
 
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:

@@ -231,7 +231,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "stop": "."}, "stop", "stop"),  # no tokenizer
     ("/v1/completions", {"model": "k2-tiny", "prompt": [[1]] * 19, "n": 16}, "n", "n"),  # over the capacity
     ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "stream": "yes"}, "stream", "stream"),
-    ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "logprobs": 2}, "logprobs", "logprobs"),
+    ("/v1/completions", {"model": "k2-tiny", "prompt": [1], "logprobs": 21}, "logprobs", "logprobs"),
     ("/v1/completions", {"model": "k2-tiny", "prompt": {"text": "hi"}}, "prompt", "prompt"),
     ("/v1/completions", {"model": "k2-tiny", "prompt": "needs a tokenizer"}, "prompt", "prompt"),
     ("/v1/completions", {"model": "k2-tiny", "prompt": [5000]}, "prompt", None),  # past the vocabulary
@@ -442,7 +442,13 @@ SAMPLING = {
                                                        st.lists(st.text(max_size=4), max_size=20), JUNK),
     "stream": st.one_of(st.booleans(), JUNK), "ignore_eos": st.one_of(st.booleans(), JUNK),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JUNK),
-    "logprobs": JUNK, "echo": JUNK, "return_token_ids": st.one_of(st.booleans(), JUNK),
+    "echo": JUNK, "return_token_ids": st.one_of(st.booleans(), JUNK),
+    "presence_penalty": _number(st.floats(-2, 2)), "frequency_penalty": _number(st.floats(-2, 2)),
+    "repetition_penalty": _number(st.floats(0.01, 10)), "min_p": _number(st.floats(0, 1)),
+    "min_tokens": _number(st.integers(0, 4)), "logprobs": _number(st.one_of(st.booleans(), st.integers(0, 21))),
+    "top_logprobs": _number(st.integers(0, 21)),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(0, 1100).map(str), st.text(max_size=3)),
+                                            _number(st.floats(-100, 100)), max_size=3), JUNK),
 }
 RAW = [b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe\x00", b'{"temperature": NaN}', b"[" * 50_000,
        b'{"model": "k2-tiny", "prompt": [1], "seed": ' + b"9" * 5000 + b"}", b'{"prompt": "\\udc80"}']

@@ -93,7 +93,7 @@ def test_template_errors_and_sandbox_violations_are_400s_naming_them(tmp_path, t
 # tests/test_openai_fields.py, on a served model)
 
 @pytest.mark.parametrize("model,fields,param,message", [
-    (CompletionRequest, {"presence_penalty": 0.5}, "presence_penalty", "kdray does not implement this field"),
+    (CompletionRequest, {"prediction": {"type": "content"}}, "prediction", "kdray does not implement this field"),
     (CompletionRequest, {"suffix": "!"}, "suffix", "fill-in-the-middle"),
     (CompletionRequest, {"best_of": 2}, "best_of", r"must equal n \(1\)"),
     (CompletionRequest, {"stream_options": {"include_usage": True}}, "stream_options", "only applies with stream"),

@@ -27,7 +27,7 @@ from kdray.actors.shard import ShardWorker
 from kdray.actors.worker import LoadReport, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
-from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds
+from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds, first_tokens
 from kdray.model.loader import check_parallel, resolve_model
 from kdray.model.presets import PRESETS
 
@@ -294,9 +294,14 @@ class RayRunner:
         guarded(lambda: actors.send(plan))
         return lambda: guarded(lambda: actors.wait(replies))
 
-    def prefill(self, batch: PrefillBatch) -> Pending[list[int]]:
+    def prefill(self, batch: PrefillBatch) -> Pending[StepResult]:
         wait = self._send(prefill_plan(batch), ("shard 0",))
-        return Pending(lambda: wait()[0]["tokens"])
+
+        def result() -> StepResult:
+            reply = wait()[0]
+            return first_tokens(reply["tokens"], *(reply["logprobs"] or ()))
+
+        return Pending(result)
 
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """One plan to every actor; the replies are read when the engine asks (after it launched the next step)."""
@@ -307,7 +312,7 @@ class RayRunner:
         def result() -> StepResult:
             shard, *draft = wait()
             return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)),
-                              draft[0]["masses"] if draft else None)
+                              draft[0]["masses"] if draft else None, shard["logprobs"])
 
         return Pending(result)
 

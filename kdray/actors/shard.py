@@ -8,7 +8,7 @@ import torch
 from kdray.actors.worker import LoadReport, Worker
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner
-from kdray.engine.step import PrefillBatch, StepBatch, add_seconds, unpack_tokens
+from kdray.engine.step import PrefillBatch, StepBatch, add_seconds, unpack_logprobs, unpack_tokens
 from kdray.kernels.tree_build import packed_width
 from kdray.model.loader import load_target, parse_dtype
 
@@ -44,7 +44,10 @@ class ShardWorker(Worker):
     def prefill(self, batch: PrefillBatch) -> dict | None:
         done = self.runner.run_prompts(batch)
         self._to_drafter(done.features, done.first)
-        return {"tokens": done.first.tolist()} if self.reports_tokens else None
+        if not self.reports_tokens:
+            return None
+        return {"tokens": done.first.tolist(), "logprobs": None if done.logprobs is None else
+                [t.tolist() for t in done.logprobs]}
 
     def step(self, batch: StepBatch) -> dict | None:
         """Take the drafter's trees (the root alone for AR), verify, accept, commit; shard 0 sends the results and
@@ -57,9 +60,11 @@ class ShardWorker(Worker):
             tree = torch.empty(r.padded(len(batch.slots)), packed_width(batch.nodes), dtype=torch.int32,
                                device=self.device)  # [Bp, packed]
             self.link.broadcast(tree, self.drafter_rank)
-        packed, features, timer = r.settle_step(batch, tree)
+        packed, features, logprobs, timer = r.settle_step(batch, tree)
         self._to_drafter(packed, features)
         if not self.reports_tokens:
             return None
-        return {"tokens": unpack_tokens(packed[:len(batch.slots)].tolist()),
-                "seconds": add_seconds(seconds, timer.seconds)}
+        n = len(batch.slots)
+        tokens = unpack_tokens(packed[:n].tolist())
+        return {"tokens": tokens, "seconds": add_seconds(seconds, timer.seconds),
+                "logprobs": None if logprobs is None else unpack_logprobs(*(t[:n].tolist() for t in logprobs), tokens)}

@@ -4,13 +4,14 @@ plan per step.
 A step plan (msgpack) is ``{"op", ...}``:
 
 - ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts`` (the chunks),
-  ``starts``, ``pages``, ``sampling`` = ``[[temperature, top_k, top_p], ...]``, ``seeds``, ``last``, ``roots``);
+  ``starts``, ``pages``, ``sampling`` = each request's ``SamplingParams`` fields as a dict, ``seeds``, ``last``,
+  ``roots``, ``prompt_lens``, ``bans``, ``histories``);
 - ``step``: the ``slots``, ``nodes`` and grown ``pages`` of a :class:`~kdray.engine.step.StepBatch` (each actor
   keeps every slot's state);
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
-Shard 0 answers ``prefill`` with ``{"tokens"}``, ``step`` with ``{"tokens", "seconds"}``; the drafter answers
+Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}``, ``step`` with ``{"tokens", "seconds", "logprobs"}``; the drafter answers
 ``step`` with ``{"seconds", "masses"}`` (its stages, and its trees' masses for ``budget="auto"``); other actors answer nothing unless they fail
 (``{"error": traceback}``). The loop ends when the engine closes the channel.
 """
@@ -46,16 +47,19 @@ class LoadReport:
 
 
 def prefill_batch(plan: dict) -> PrefillBatch:
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in plan["sampling"]]
+    params = [SamplingParams(**{**p, "logit_bias": p["logit_bias"] and dict(p["logit_bias"])})
+              for p in plan["sampling"]]
     return PrefillBatch(plan["slots"], plan["prompts"], plan["starts"], plan["pages"], params, plan["seeds"],
-                        plan["last"], plan["roots"])
+                        plan["last"], plan["roots"], plan["prompt_lens"], plan["bans"], plan["histories"])
 
 
 def prefill_plan(batch: PrefillBatch) -> dict:
-    """The ``prefill`` plan of ``batch`` (what :func:`prefill_batch` reads back)."""
+    """The ``prefill`` plan of ``batch`` (what :func:`prefill_batch` reads back; logit_bias as [id, bias] pairs,
+    msgpack's maps take no integer keys everywhere)."""
+    sampling = [{**vars(p), "logit_bias": p.logit_bias and list(p.logit_bias.items())} for p in batch.params]
     return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "starts": batch.starts,
-            "pages": batch.pages, "sampling": [[p.temperature, p.top_k, p.top_p] for p in batch.params],
-            "seeds": batch.seeds, "last": batch.last, "roots": batch.roots}
+            "pages": batch.pages, "sampling": sampling, "seeds": batch.seeds, "last": batch.last,
+            "roots": batch.roots, "prompt_lens": batch.prompt_lens, "bans": batch.bans, "histories": batch.histories}
 
 
 class Worker(ABC):

@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from kdray.engine.request import MAX_BAN, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.sequence import Sequence
 from kdray.engine.step import Pending, PrefillBatch, StepBatch
@@ -69,6 +69,12 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                              "leave them out")
+        outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(self._ban(params)) > MAX_BAN:
+            raise ValueError(f"min_tokens: masks the EOS ids and stop_token_ids until it is reached, at most {MAX_BAN} "
+                             "of them; give fewer stop_token_ids")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed,
                        detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
@@ -148,7 +154,10 @@ class Engine:
                 slots=[s.slot for s in seqs], prompts=[s.context_ids[a:b] for s, a, b in chunks],
                 starts=[a for _, a, _ in chunks], pages=[list(s.pages) for s in seqs], params=[s.params for s in seqs],
                 seeds=[s.seed for s in seqs], last=[b == s.prefill_len for s, _, b in chunks],
-                roots=[s.output_ids[-1] if s.output_ids else None for s in seqs])
+                roots=[s.output_ids[-1] if s.output_ids else None for s in seqs],
+                prompt_lens=[len(s.prompt_ids) for s in seqs], bans=[self._ban(s.params) for s in seqs],
+                histories=[s.context_ids if b == s.prefill_len and "penalties" in s.params.features else None
+                           for s, _, b in chunks])
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
             launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last))
@@ -170,23 +179,22 @@ class Engine:
         touched = []
         for launch in launches:
             result = launch.pending.result()
-            if launch.prefill:
-                tokens, share, masses = [[t] for t in result], None, [None] * len(result)
-            else:
-                tokens, masses = result.tokens, result.masses or [None] * len(result.tokens)
+            tokens, masses = result.tokens, result.masses or [None] * len(result.tokens)
+            logprobs = result.logprobs or [None] * len(tokens)
+            if not launch.prefill:
                 share = {k: v / len(launch.seqs) for k, v in result.seconds.items()}
                 if self.policy is not None:
                     self.policy.observe(launch.nodes, result.masses, [len(t) for t in tokens], len(launch.seqs),
                                         sum(result.seconds.values()) or None, now - launch.at if now else None)
-            for i, (seq, toks, mass) in enumerate(zip(launch.seqs, tokens, masses)):
+            for i, (seq, toks, mass, lps) in enumerate(zip(launch.seqs, tokens, masses, logprobs)):
                 seq.inflight -= 1
                 if seq.finished or seq.preempted:
                     pass
                 elif not launch.prefill:
-                    self._advance(seq, toks, share, launch.nodes, mass)
+                    self._advance(seq, toks, share, launch.nodes, mass, lps)
                     touched.append(seq)
                 elif launch.last[i]:
-                    self._prefilled(seq, toks[0])
+                    self._prefilled(seq, toks, lps)
                     touched.append(seq)
                 if (seq.finished or seq.preempted) and seq.inflight == 0:
                     self._retire(seq)
@@ -198,18 +206,19 @@ class Engine:
         if seq.finished and self._seqs.get(seq.request_id) is seq:
             del self._seqs[seq.request_id]
 
-    def _prefilled(self, seq: Sequence, first: int):
+    def _prefilled(self, seq: Sequence, first: list[int], logprobs: list | None):
         """A context's last chunk is in: its KV is cached; a new request emits its first token (a resumed one chose
         its next token before it was preempted)."""
         seq.cached_len = seq.prefill_len
         self.scheduler.register(seq)
         if not seq.output_ids:
-            self._emit(seq, [first])
+            self._emit(seq, first, logprobs)
 
     def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float], nodes: int,
-                 masses: list | None):
+                 masses: list | None, logprobs: list | None):
         """Apply a step's tokens (from a tree of ``nodes`` draft nodes, whose ``masses`` the budget policy reads
-        next) to ``seq``: with :meth:`_prefilled`, the only place where request state changes after admission."""
+        next; their log-probabilities where asked) to ``seq``: with :meth:`_prefilled`, the only place where request
+        state changes after admission."""
         seq.cached_len += len(tokens)
         seq.steps += 1
         seq.accepted += len(tokens)
@@ -217,24 +226,37 @@ class Engine:
         seq.masses = masses if masses is not None else seq.masses
         for stage, s in stage_seconds.items():
             seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
-        self._emit(seq, tokens)
+        self._emit(seq, tokens, logprobs)
         self.scheduler.register(seq)
 
-    def _emit(self, seq: Sequence, tokens: list[int]):
-        """Append tokens one by one, stopping exactly where autoregressive decoding would. The text grows by
-        incremental detokenization; a stop string is looked for only where new text could complete it."""
+    def _ban(self, params: SamplingParams) -> list[int]:
+        """The tokens masked until ``min_tokens`` tokens are out: EOS (unless ``ignore_eos``) and ``stop_token_ids``
+        (those in the vocabulary)."""
+        if not params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return list(dict.fromkeys(t for t in eos + params.stop_token_ids if t < self.vocab_size))
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None):
+        """Append tokens one by one, stopping exactly where autoregressive decoding would (a stop needs
+        ``min_tokens`` tokens out). The text grows by incremental detokenization; a stop string is looked for only
+        where new text could complete it."""
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         p, detok = seq.params, seq.detokenizer
-        for t in tokens:
+        for i, t in enumerate(tokens):
             seq.output_ids.append(t)
+            if p.logprobs is not None:
+                seq.logprobs.append(_logprobs(t, *logprobs[i], p.logprobs))
+                seq.cumulative_logprob += seq.logprobs[-1][t].logprob
+            may_stop = len(seq.output_ids) >= p.min_tokens
             if detok is not None:
                 before = len(seq.text)
                 seq.text += detok.add([t])
-                if p.stop and self._cut_at_stop(seq, before):
+                if p.stop and may_stop and self._cut_at_stop(seq, before):
                     seq.finish_reason = "stop"
                     return
-            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
+            if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -256,6 +278,21 @@ class Engine:
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        asked = seq.params.logprobs is not None
         return RequestOutput(seq.request_id, seq.prompt_ids,
-                             [CompletionOutput(0, seq.text, list(seq.output_ids), seq.finish_reason)],
+                             [CompletionOutput(0, seq.text, list(seq.output_ids), seq.finish_reason,
+                                               seq.cumulative_logprob if asked else None,
+                                               list(seq.logprobs) if asked else None)],
                              seq.finished, seq.metrics())
+
+
+def _logprobs(token: int, values: list[float], ids: list[int], k: int) -> dict[int, Logprob]:
+    """One emitted token's ``{token id: Logprob}``: the token first, then the top ``k`` (from
+    :func:`kdray.spec.logprobs.token_logprobs`'s values and ids). The token's rank is its place in that top list
+    when it is there (ties are ordered as the list orders them), else after it."""
+    top = ids[1:]
+    rank = top.index(token) + 1 if token in top else max(ids[0], len(top) + 1)
+    out = {token: Logprob(values[0], rank)}
+    for place, (t, v) in enumerate(zip(top[:k], values[1:1 + k]), start=1):
+        out.setdefault(t, Logprob(v, place))
+    return out

@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device; the engine draws its own from 63 bits
 MAX_TOP_K = 1 << 20  # beyond any vocabulary, where top_k is the same as off
 MAX_TOKENS = 1 << 24  # beyond any context length
+MAX_VOCAB = 1 << 24  # beyond any vocabulary: token ids lie below it
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY]
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_BIAS = 100.0  # |bias| of one logit_bias entry
+MAX_LOGPROBS = 20  # top log-probabilities per token
+MAX_BAN = 96  # tokens min_tokens masks: the EOS ids (unless ignore_eos) and stop_token_ids
+# The features of a request that cost the step something; a batch pays for those its requests use
+FEATURES = ("bias", "logprobs", "min_p", "min_tokens", "penalties")
 
 
 @dataclass
@@ -14,7 +23,15 @@ class SamplingParams:
     """How to pick tokens for one request. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 disable them.
 
     A request stops at EOS (unless ``ignore_eos``), at any of ``stop_token_ids`` (always; the token is kept, like
-    EOS) or at a ``stop`` string (cut from the text unless ``include_stop_str_in_output``)."""
+    EOS) or at a ``stop`` string (cut from the text unless ``include_stop_str_in_output``), never before ``min_tokens``
+    tokens (EOS and ``stop_token_ids`` are masked until then).
+
+    The target's logits are changed in vLLM's order: ``logit_bias`` (``{token id: bias}`` added), then
+    ``repetition_penalty`` (over the prompt and the output: positive logits divided by it, negative ones multiplied),
+    ``frequency_penalty`` and ``presence_penalty`` (over the output: ``count * frequency + (count > 0) * presence``
+    subtracted); then temperature, ``min_p`` (tokens below ``min_p`` times the likeliest's probability dropped), top-k
+    and top-p. ``logprobs`` = k reports each emitted token's log-probability and the k likeliest (see
+    :class:`Logprob`)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -25,6 +42,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -33,6 +57,17 @@ class SamplingParams:
             (_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
             (_whole(self.top_k, 0, MAX_TOP_K), "top_k", f"an integer in [0, {MAX_TOP_K}] (0 disables it)"),
             (self.seed is None or _whole(self.seed, 0, MAX_SEED), "seed", "None or an integer in [0, 2^63 - 1]"),
+            (_whole(self.min_tokens, 0, self.max_tokens) if _whole(self.max_tokens, 1, MAX_TOKENS) else True,
+             "min_tokens", "an integer in [0, max_tokens]"),
+            (_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 disables it)"),
+            (_real(self.presence_penalty) and abs(self.presence_penalty) <= MAX_PENALTY, "presence_penalty",
+             f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it)"),
+            (_real(self.frequency_penalty) and abs(self.frequency_penalty) <= MAX_PENALTY, "frequency_penalty",
+             f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it)"),
+            (_real(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             "repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it)"),
+            (self.logprobs is None or _whole(self.logprobs, 0, MAX_LOGPROBS), "logprobs",
+             f"None or an integer in [0, {MAX_LOGPROBS}] (the top alternatives reported beside each token)"),
         ]
         for ok, name, what in checks:
             if not ok:
@@ -45,10 +80,27 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("SamplingParams.stop_token_ids must be a list of token ids (integers >= 0)")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}} of at most {MAX_LOGIT_BIAS} "
+                             "entries")
+        for t, b in bias.items():
+            if not _whole(t, 0, MAX_VOCAB - 1) or not (_real(b) and abs(b) <= MAX_BIAS):
+                raise ValueError(f"SamplingParams.logit_bias[{_shown(t)}]={_shown(b)}: keys must be token ids "
+                                 f"(integers in [0, 2^24)), values numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        self.logit_bias = {t: float(b) for t, b in bias.items()} or None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The costly :data:`FEATURES` this request uses (the rest of a step skips them for a batch without them)."""
+        used = {"bias": self.logit_bias is not None, "logprobs": self.logprobs is not None,
+                "min_p": self.min_p > 0 and not self.greedy, "min_tokens": self.min_tokens > 0,
+                "penalties": (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)}
+        return frozenset(name for name, on in used.items() if on)
 
 
 def _whole(value, low: int, high: int) -> bool:
@@ -67,16 +119,26 @@ def _real(value) -> bool:
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability under the target (``log_softmax`` of its raw logits, before any penalty, bias or
+    temperature: vLLM's default), and its rank there (1: the likeliest)."""
+
+    logprob: float
+    rank: int
+
+
+@dataclass
 class CompletionOutput:
-    """One sample. ``cumulative_logprob`` and ``logprobs`` are None: the engine does not report
-    log-probabilities yet."""
+    """One sample. With ``SamplingParams.logprobs`` = k, ``logprobs`` holds per token ``{token id: Logprob}``: the
+    emitted token first, then the k likeliest (best first; the emitted one appears once), and
+    ``cumulative_logprob`` their emitted tokens' sum; else both are None."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # None while running, then "stop", "length" or "abort"
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass

@@ -19,8 +19,9 @@ import torch
 
 from kdray.engine.cuda_graphs import GraphedFn
 from kdray.engine.layout import EngineLayout
+from kdray.engine.request import MAX_BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, PrefillBatch, StageTimer, StepBatch,
-                               StepInputs, StepResult, Verified, unpack_tokens)
+                               StepInputs, StepResult, Verified, first_tokens, unpack_logprobs, unpack_tokens)
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
 from kdray.kernels.tree_build import DraftTree, tree_build
@@ -28,7 +29,9 @@ from kdray.model.batch import ForwardBatch, causal_tree_mask, pack_bits, uniform
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
+from kdray.spec.logprobs import token_logprobs
 from kdray.spec.sampling import RowParams, choose_tokens
+from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts a lone prompt chunk's graphed forward is padded to
@@ -51,9 +54,12 @@ def root_only_tree(roots: torch.Tensor) -> DraftTree:
 class SlotState:
     """Per-slot device state: written when a sequence is admitted into the slot (its KV pages as a block-table
     row, its sampling settings), then its bonus token and cached length, set by the prefill and advanced by
-    every step. The extra last slot is scratch: padding rows of a batch run there, their KV in a scratch page."""
+    every step. The extra last slot is scratch: padding rows of a batch run there, their KV in a scratch page.
+    With ``vocab`` (a runner that chooses tokens) the penalties' per-slot counts are kept too, made when a
+    request first asks for penalties."""
 
-    def __init__(self, num_slots: int, max_pages: int, scratch_page: int, device: torch.device):
+    def __init__(self, num_slots: int, max_pages: int, scratch_page: int, device: torch.device,
+                 vocab: int | None = None):
         n, self.scratch, self.scratch_page = num_slots + 1, num_slots, scratch_page
         self.block_table = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)  # [n, pages]
         self.temperature = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
@@ -63,18 +69,63 @@ class SlotState:
         self.roots = torch.zeros(n, dtype=torch.int64, device=device)  # bonus token per slot
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=device)  # cached length per slot
         self.greedy = [True] * n  # host copy: a batch of greedy slots skips the sampling path
+        self.features: list[frozenset[str]] = [frozenset()] * n  # host copy: what a batch of these slots pays for
+        self.prompt_lens = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.min_tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(n, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(n, dtype=torch.float32, device=device)
+        self.repetition = torch.ones(n, dtype=torch.float32, device=device)
+        self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)  # [n, MAX_LOGIT_BIAS]
+        self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
+        self.ban_ids = torch.full((n, MAX_BAN), -1, dtype=torch.int64, device=device)  # [n, MAX_BAN]
+        self.vocab = vocab
+        self.counts: torch.Tensor | None = None  # [n, V] fp32: the output's token counts (bonus included)
+        self.prompt_seen: torch.Tensor | None = None  # [n, V] bool: the prompt's tokens
 
     def admit(self, batch: PrefillBatch):
-        """Write the sequences' block-table rows and sampling settings (again at every chunk: rows grow)."""
+        """Write the sequences' block-table rows and sampling settings (again at every chunk: rows grow); at a
+        penalised context's last chunk, its counts from its history."""
         dev = self.block_table.device
         self.set_pages(dict(zip(batch.slots, batch.pages)))
         idx = torch.tensor(batch.slots, device=dev)
-        self.temperature[idx] = torch.tensor([p.temperature for p in batch.params], dtype=torch.float32, device=dev)
-        self.top_k[idx] = torch.tensor([p.top_k for p in batch.params], dtype=torch.int64, device=dev)
-        self.top_p[idx] = torch.tensor([p.top_p for p in batch.params], dtype=torch.float32, device=dev)
-        self.seeds[idx] = torch.tensor(batch.seeds, dtype=torch.int64, device=dev)
-        for slot, p in zip(batch.slots, batch.params):
-            self.greedy[slot] = p.greedy
+
+        def put(state: torch.Tensor, values: list):
+            state[idx] = torch.tensor(values, dtype=state.dtype).to(dev)
+
+        ps = batch.params
+        for state, values in ((self.temperature, [p.temperature for p in ps]), (self.top_k, [p.top_k for p in ps]),
+                              (self.top_p, [p.top_p for p in ps]), (self.seeds, batch.seeds)):
+            put(state, values)
+        # the costly fields' settings: written when these requests, or the slots' last ones, use any of them
+        plain = not any(p.features for p in ps) and not any(self.features[s] for s in batch.slots)
+        for slot, p in zip(batch.slots, ps):
+            self.greedy[slot], self.features[slot] = p.greedy, p.features
+        if plain:
+            return
+        for state, values in ((self.prompt_lens, batch.prompt_lens), (self.min_tokens, [p.min_tokens for p in ps]),
+                              (self.min_p, [p.min_p for p in ps]), (self.presence, [p.presence_penalty for p in ps]),
+                              (self.frequency, [p.frequency_penalty for p in ps]),
+                              (self.repetition, [p.repetition_penalty for p in ps]),
+                              (self.bias_ids, [_padded(list(p.logit_bias or {}), MAX_LOGIT_BIAS, 0) for p in ps]),
+                              (self.bias_values, [_padded(list((p.logit_bias or {}).values()), MAX_LOGIT_BIAS, 0.0)
+                                                  for p in ps]),
+                              (self.ban_ids, [_padded(b, MAX_BAN, -1) for b in batch.bans])):
+            put(state, values)
+        if self.vocab is None or not any("penalties" in p.features for p in ps):
+            return
+        if self.counts is None:  # the first penalised request
+            n = self.block_table.shape[0]
+            self.counts = torch.zeros(n, self.vocab, dtype=torch.float32, device=dev)  # [n, V]
+            self.prompt_seen = torch.zeros(n, self.vocab, dtype=torch.bool, device=dev)  # [n, V]
+        for slot, n, history in zip(batch.slots, batch.prompt_lens, batch.histories):
+            if history is not None:  # the prompt's tokens and the output's counts (a resumed request has output)
+                self.counts[slot] = self._bincount(history[n:]).float()
+                self.prompt_seen[slot] = self._bincount(history[:n]) > 0
+
+    def _bincount(self, tokens: list[int]) -> torch.Tensor:
+        """``[V]`` int64 on the device: each token's count in ``tokens``."""
+        return torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=self.vocab).to(self.block_table.device)
 
     def set_pages(self, pages: dict[int, list[int]]):
         """Block-table rows ``{slot: pages}``; unused entries point at the scratch page."""
@@ -89,18 +140,42 @@ class SlotState:
         self.block_table[torch.tensor(list(pages), device=dev)] = rows.to(dev)
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
-        """After a prefill: each slot's bonus token is its first generated one, its cached length the prompt's. The
-        scratch slot (the warm-up's prefills) stays at length 0."""
+        """After a prefill: each slot's bonus token is its first generated one (counted), its cached length the
+        context's. The scratch slot (the warm-up's prefills) stays at length 0."""
         self.roots[idx] = first
         self.prefix_lens[idx] = prompt_lens.to(torch.int32)
         self.prefix_lens[self.scratch:].zero_()
+        if self.counts is not None:
+            self.counts.index_put_((idx, first), torch.ones_like(first, dtype=torch.float32), accumulate=True)
 
-    def inputs(self, idx: torch.Tensor, all_greedy: bool) -> StepInputs:
+    def inputs(self, idx: torch.Tensor, all_greedy: bool, extras: tuple[str, ...] = ()) -> StepInputs:
         """The state of slots ``idx [B]`` for one step."""
         params = RowParams(temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
-                           seeds=self.seeds[idx], all_greedy=all_greedy)
+                           seeds=self.seeds[idx], all_greedy=all_greedy,
+                           min_p=self.min_p[idx] if "min_p" in extras else None)
         return StepInputs(slots=idx, roots=self.roots[idx], prefix_lens=self.prefix_lens[idx],
-                          block_table=self.block_table[idx], params=params)
+                          block_table=self.block_table[idx], params=params, extras=extras)
+
+    def transforms(self, idx: torch.Tensor, positions: torch.Tensor, extras: tuple[str, ...], width: int = 1,
+                   path: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> RowTransforms | None:
+        """The logit changes of the ``width`` rows per slot of ``idx [B]`` choosing at ``positions [B * width]``
+        (None: the batch has none). ``path``: the trees' (tokens, parents, depth), whose path tokens each node's
+        penalties count."""
+        if not {"bias", "min_tokens", "penalties"} & set(extras):
+            return None
+        rows = idx.repeat_interleave(width)  # [R]
+        t = RowTransforms()
+        if "bias" in extras:
+            t.bias_ids, t.bias_values = self.bias_ids[rows], self.bias_values[rows]
+        if "min_tokens" in extras:  # generated before the choice at a position: position + 1 - the prompt's length
+            t.ban_ids, t.banned = self.ban_ids[rows], positions + 1 - self.prompt_lens[rows] < self.min_tokens[rows]
+        if "penalties" in extras:
+            counts = self.counts[rows]  # [R, V]
+            if path is not None:
+                add_path_tokens(counts, *path)
+            t.penalties = Penalties(counts, self.prompt_seen[rows], self.presence[rows], self.frequency[rows],
+                                    self.repetition[rows])
+        return t
 
     def advance(self, idx: torch.Tensor, length: torch.Tensor, next_token: torch.Tensor):
         """After a step: the accepted path is cached and the target's next choice is the new bonus token. The
@@ -109,18 +184,33 @@ class SlotState:
         self.roots.index_put_((idx,), next_token)
         self.prefix_lens[self.scratch:].zero_()  # a kernel, not a host-to-device copy (graph capture)
 
+    def count(self, idx: torch.Tensor, committed: Committed):
+        """Add a step's emitted tokens to the penalties' counts of slots ``idx``."""
+        emitted = committed.emitted()  # [B, 1+L]
+        kept = torch.arange(emitted.shape[1], device=idx.device)[None, :] < committed.length[:, None]  # [B, 1+L]
+        flat = idx[:, None] * self.vocab + emitted  # [B, 1+L]: rows of the flattened counts
+        self.counts.view(-1).scatter_add_(0, flat.flatten(), kept.float().flatten())
+
     def all_greedy(self, slots: list[int]) -> bool:
         return all(self.greedy[s] for s in slots)
 
+    def extras(self, slots: list[int]) -> tuple[str, ...]:
+        """The features a batch of ``slots`` pays for: those any of its requests uses."""
+        return tuple(sorted(frozenset().union(*(self.features[s] for s in slots))))
+
     def snapshot(self):
-        """A function that puts back the advancing state (lengths, roots) as it is now."""
-        saved = (self.prefix_lens.clone(), self.roots.clone())
+        """A function that puts back the advancing state (lengths, roots, counts) as it is now."""
+        saved = [(t, t.clone()) for t in (self.prefix_lens, self.roots, self.counts) if t is not None]
 
         def restore():
-            self.prefix_lens.copy_(saved[0])
-            self.roots.copy_(saved[1])
+            for t, copy in saved:
+                t.copy_(copy)
 
         return restore
+
+
+def _padded(values: list, width: int, pad) -> list:
+    return values + [pad] * (width - len(values))
 
 
 @dataclass
@@ -129,6 +219,7 @@ class Prefilled:
     features: torch.Tensor | None  # [T, F]: the prompts' context features for the drafter
     positions: torch.Tensor  # [T] int64
     cache_rows: torch.Tensor  # [T] int64: flat cache rows of the prompt tokens
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # the first tokens' (values, ids) [B, 1+K], if asked
 
 
 class ModelRunner:
@@ -141,8 +232,9 @@ class ModelRunner:
         self.target, self.drafter, self.layout, self.spec = target, drafter, layout, layout.spec
         self.device, self.page_size = torch.device(device), layout.page_size
         pages = layout.num_pages + 1  # the last page is the scratch page of batch padding and overflow
-        self.slots = SlotState(layout.num_slots, layout.max_pages_per_seq, layout.num_pages, self.device)
         m = target.model
+        self.slots = SlotState(layout.num_slots, layout.max_pages_per_seq, layout.num_pages, self.device,
+                               m.cfg.vocab_size if target_kv else None)
         self.kv = torch.zeros(m.cfg.num_hidden_layers, pages, layout.page_size, *m.kv_row_shape, dtype=m.dtype,
                               device=device) if target_kv else None  # [layers, P, S, *row]
         self.draft_kv = None
@@ -179,13 +271,14 @@ class ModelRunner:
     # ---- prefill
 
     @torch.no_grad()
-    def prefill(self, batch: PrefillBatch) -> Pending[list[int]]:
-        """In-process prefill: the prompts, then their features into the drafter's context -> the first tokens,
-        on their way to the host."""
+    def prefill(self, batch: PrefillBatch) -> Pending[StepResult]:
+        """In-process prefill: the prompts, then their features into the drafter's context -> the first tokens
+        (one per sequence, with their log-probabilities where asked), on their way to the host."""
         done = self.run_prompts(batch, self._prompt_graphs)
         if done.features is not None:
             self.add_context(done.features, done.positions, done.cache_rows)
-        return self._to_host([done.first], lambda host, _: host[0])
+        values = [done.first, *(done.logprobs or ())]
+        return self._to_host(values, lambda host, _: first_tokens(*host))
 
     def run_prompts(self, batch: PrefillBatch, graphs: GraphedFn | None = None) -> Prefilled:
         """Record the sequences' slots, run their context chunks (after their cached tokens), cache the KV; at a
@@ -200,14 +293,18 @@ class ModelRunner:
         mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
         fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
         last = fb.cu_q[1:].long() - 1  # [B]
-        logits, features = self.forward_prompts(fb, batch.starts, last, graphs)
-        inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots))
-        first = choose_tokens(logits, positions[last], inputs.params)
+        logits, features = self.forward_prompts(fb, batch.starts, last, graphs)  # [B, V], [T, F] or None
+        extras = self.slots.extras(batch.slots)
+        inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots), extras)
+        changes = self.slots.transforms(idx, positions[last], extras)
+        first = choose_tokens(logits if changes is None else apply_transforms(logits, changes), positions[last],
+                              inputs.params)
         given = torch.tensor([-1 if r is None else r for r in batch.roots], device=self.device)
         first = torch.where(given >= 0, given, first)  # [B]
         done = torch.tensor(batch.last, device=self.device)
         self.slots.start(idx[done], first[done], positions[last][done] + 1)
-        return Prefilled(first, features, positions, fb.slot_mapping)
+        logprobs = token_logprobs(logits, first, MAX_LOGPROBS) if "logprobs" in extras else None
+        return Prefilled(first, features, positions, fb.slot_mapping, logprobs)
 
     def forward_prompts(self, fb: ForwardBatch, starts: list[int], last: torch.Tensor, graphs: GraphedFn | None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -269,16 +366,20 @@ class ModelRunner:
         device state advanced; the tokens (and, with ``budget="auto"``, the trees' masses) on their way to the host."""
         self.slots.set_pages(batch.pages)
         start = self._mark()
-        (packed, masses), timer = self._run(self._step_fn, self._step_graphs, self.slot_index(batch.slots),
-                                            greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes)
+        (packed, masses, *logprobs), timer = self._run(
+            self._step_fn, self._step_graphs, self.slot_index(batch.slots), greedy=self.slots.all_greedy(batch.slots),
+            nodes=batch.nodes, extras=self.slots.extras(batch.slots))
         n = len(batch.slots)
+        values = [t[:n] for t in (packed, masses, *logprobs) if t is not None]
 
         def result(host: list, device_seconds: float | None) -> StepResult:
             # per stage where the graph's event nodes were timed, else the whole step's device time
             seconds = timer.seconds or ({"step": device_seconds} if device_seconds is not None else {})
-            return StepResult(unpack_tokens(host[0]), seconds, host[1] if len(host) > 1 else None)
+            tokens, rest = unpack_tokens(host[0]), host[1:]
+            found = rest.pop(0) if masses is not None else None
+            return StepResult(tokens, seconds, found, unpack_logprobs(*rest, tokens) if rest else None)
 
-        return self._to_host([t[:n] for t in (packed, masses) if t is not None], result, start)
+        return self._to_host(values, result, start)
 
     def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, StageTimer]:
         """The drafter actor's half: draft and build -> (the trees packed for the link ``[Bp, packed_width]``, the
@@ -289,13 +390,15 @@ class ModelRunner:
         return packed, masses, timer
 
     def settle_step(self, batch: StepBatch, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                          StageTimer]:
+                                                                          tuple | None, StageTimer]:
         """A shard's half: verify, accept and commit the packed trees, advance the slots -> (the committed
-        result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the timer)."""
+        result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the emitted
+        tokens' log-probabilities (values, ids) ``[Bp, 1+L, 1+K]`` where asked, else None; the timer)."""
         self.slots.set_pages(batch.pages)
-        (packed, features), timer = self._run(self._settle_fn, self._settle_graphs, self.slot_index(batch.slots),
-                                              tree, greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes)
-        return packed, features, timer
+        (packed, features, *logprobs), timer = self._run(
+            self._settle_fn, self._settle_graphs, self.slot_index(batch.slots), tree,
+            greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes, extras=self.slots.extras(batch.slots))
+        return packed, features, tuple(logprobs) or None, timer
 
     def absorb_step(self, batch: StepBatch, packed: torch.Tensor, features: torch.Tensor):
         """The drafter actor's commit: the accepted paths' features into its cache, its slots advanced as the
@@ -321,26 +424,32 @@ class ModelRunner:
         timer = self.timer()
         return fn(timer, *inputs, **options), timer
 
-    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool, nodes: int):
-        inputs = self.slots.inputs(idx, greedy)
+    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool, nodes: int, extras: tuple[str, ...]):
+        inputs = self.slots.inputs(idx, greedy, extras)
         tree, masses = self.propose(inputs, timer, nodes)
         committed = self.settle(tree, inputs, timer)
         if committed.features is not None:
             self.add_context(committed.features.flatten(0, 1), *self.path_rows(inputs))
-        self.slots.advance(idx, committed.length, committed.next_token)
+        self._advance(idx, committed, extras)
         timer.end("commit")
-        return committed.packed(), masses
+        return committed.packed(), masses, *(committed.logprobs or ())
 
     def _propose_fn(self, timer: StageTimer, idx: torch.Tensor, nodes: int):
         tree, masses = self.propose(self.slots.inputs(idx, True), timer, nodes)
         return tree.pack(), masses
 
-    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool, nodes: int):
-        inputs = self.slots.inputs(idx, greedy)
+    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool, nodes: int,
+                   extras: tuple[str, ...]):
+        inputs = self.slots.inputs(idx, greedy, extras)
         committed = self.settle(DraftTree.unpack(tree, nodes), inputs, timer)
-        self.slots.advance(idx, committed.length, committed.next_token)
+        self._advance(idx, committed, extras)
         timer.end("commit")
-        return committed.packed(), committed.features
+        return committed.packed(), committed.features, *(committed.logprobs or ())
+
+    def _advance(self, idx: torch.Tensor, committed: Committed, extras: tuple[str, ...]):
+        self.slots.advance(idx, committed.length, committed.next_token)
+        if "penalties" in extras:
+            self.slots.count(idx, committed)
 
     def propose(self, inputs: StepInputs, timer: StageTimer, nodes: int) -> tuple[DraftTree, torch.Tensor | None]:
         """The drafter's half of a step: ``draft``, then ``build_tree``, each timed under its name; the tree keeps
@@ -400,8 +509,14 @@ class ModelRunner:
         B, width = tree.tokens.shape
         params = inputs.params
         rows = RowParams(*(t.repeat_interleave(width) for t in (params.temperature, params.top_k, params.top_p,
-                                                                  params.seeds)), all_greedy=params.all_greedy)
-        choice = choose_tokens(verified.logits, verified.positions, rows).view(B, width)  # [B, 1+N]
+                                                                  params.seeds)), all_greedy=params.all_greedy,
+                         min_p=None if params.min_p is None else params.min_p.repeat_interleave(width))
+        logits = verified.logits
+        changes = self.slots.transforms(inputs.slots, verified.positions, inputs.extras, width,
+                                        (tree.tokens, tree.parents, self.spec.depth))
+        if changes is not None:
+            logits = apply_transforms(logits, changes)
+        choice = choose_tokens(logits, verified.positions, rows).view(B, width)  # [B, 1+N]
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
         nodes, length, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes,
                                                 torch.where(valid, choice, -1), self.spec.depth)
@@ -409,14 +524,20 @@ class ModelRunner:
 
     def commit(self, accepted: Accepted, tree: DraftTree, verified: Verified, inputs: StepInputs) -> Committed:
         """Move the accepted nodes' KV into the sequences' next cache slots; gather the path's tokens and context
-        features (positions past each path's end carry padding, overwritten before anything reads them)."""
+        features, and where asked the emitted tokens' log-probabilities from the raw logits of the nodes before
+        them (positions past each path's end carry padding, overwritten before anything reads them)."""
         kv_compact(self.kv.flatten(3), inputs.block_table, inputs.prefix_lens, accepted.nodes, accepted.length)
         kept = accepted.nodes.clamp(min=0).long()  # [B, 1+L]
         features = None
         if verified.features is not None:
             f = verified.features.view(kept.shape[0], tree.tokens.shape[1], -1)  # [B, 1+N, F]
             features = f.gather(1, kept[..., None].expand(-1, -1, f.shape[-1]))  # [B, 1+L, F]
-        return Committed(tree.tokens.gather(1, kept), accepted.length, accepted.next_token, features)
+        committed = Committed(tree.tokens.gather(1, kept), accepted.length, accepted.next_token, features)
+        if "logprobs" in inputs.extras:
+            logits = verified.logits.view(kept.shape[0], tree.tokens.shape[1], -1)  # [B, 1+N, V]
+            path_logits = logits.gather(1, kept[..., None].expand(-1, -1, logits.shape[-1]))  # [B, 1+L, V]
+            committed.logprobs = token_logprobs(path_logits, committed.emitted(), MAX_LOGPROBS)
+        return committed
 
     def path_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, flat cache rows), each ``[B * (1+L)]``, of the accepted path's places after the prefix."""

@@ -37,6 +37,8 @@ class Sequence:
     inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
+    logprobs: list = field(default_factory=list)  # per output token {token id: Logprob}, when the request asks
+    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

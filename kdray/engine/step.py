@@ -44,6 +44,9 @@ class PrefillBatch:
     seeds: list[int]
     last: list[bool]
     roots: list[int | None]
+    prompt_lens: list[int]  # each request's prompt (the context may hold output too, after a preemption)
+    bans: list[list[int]]  # the tokens masked until min_tokens are out (EOS and stop_token_ids; [] without)
+    histories: list[list[int] | None]  # a last chunk of a penalised request: its whole context (else None)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class StepInputs:
     prefix_lens: torch.Tensor  # [B] int32 cached lengths
     block_table: torch.Tensor  # [B, max_pages] int32
     params: RowParams  # one row per sequence
+    extras: tuple[str, ...] = ()  # the request features (:data:`~kdray.engine.request.FEATURES`) the batch uses
 
 
 @dataclass
@@ -93,16 +97,29 @@ class Committed:
     length: torch.Tensor  # [B] int32
     next_token: torch.Tensor  # [B] int64
     features: torch.Tensor | None  # [B, 1+L, F]: the path's context features, handed to the drafter
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens' (values, ids) [B, 1+L, 1+K]
 
     def packed(self) -> torch.Tensor:
         """``[B, 2 + (1+L)]`` int64: the length, the next token, then the path, for one copy to the host."""
         return torch.cat([self.length[:, None].long(), self.next_token[:, None], self.path], dim=1)
+
+    def emitted(self) -> torch.Tensor:
+        """``[B, 1+L]`` int64: the tokens the step emits in order (the accepted drafts, then the next bonus at
+        ``length - 1``; padding after)."""
+        out = torch.cat([self.path[:, 1:], self.next_token[:, None]], dim=1)  # [B, 1+L]
+        return out.scatter(1, (self.length.long() - 1)[:, None], self.next_token[:, None])
 
 
 def unpack_tokens(rows: list[list[int]]) -> list[list[int]]:
     """Per sequence, the tokens a step emits (the accepted drafts, then the next bonus) from :meth:`Committed.packed`
     rows."""
     return [row[3:2 + row[0]] + [row[1]] for row in rows]
+
+
+def unpack_logprobs(values: list, ids: list, tokens: list[list[int]]) -> list[list[tuple[list, list]]]:
+    """Per sequence, per emitted token, its (values, ids) of :func:`kdray.spec.logprobs.token_logprobs`, from the
+    host copies of :attr:`Committed.logprobs` (``tokens``: what :func:`unpack_tokens` gave)."""
+    return [list(zip(v[:len(t)], i[:len(t)])) for v, i, t in zip(values, ids, tokens)]
 
 
 class Pending(Generic[T]):
@@ -124,9 +141,20 @@ class Pending(Generic[T]):
 
 @dataclass
 class StepResult:
+    """What a step (or a prefill: one token per sequence) gives the engine."""
+
     tokens: list[list[int]]  # per sequence: accepted draft tokens, then the next bonus
     seconds: dict[str, float]  # per stage, for the whole batch
     masses: list | None = None  # budget="auto": per sequence, its tree's mass per candidate width and depth
+    logprobs: list | None = None  # asked for: per sequence, per emitted token, (values, ids) (unpack_logprobs)
+
+
+def first_tokens(first: list[int], values: list | None = None, ids: list | None = None) -> StepResult:
+    """A prefill's result from host copies: each sequence's first token, and its (values, ids) ``[B, 1+K]`` of
+    log-probabilities when asked."""
+    tokens = [[t] for t in first]
+    return StepResult(tokens, {}, logprobs=None if values is None else unpack_logprobs(
+        [[v] for v in values], [[i] for i in ids], tokens))
 
 
 class StageTimer:

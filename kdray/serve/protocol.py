@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kdray.engine.request import MAX_SEED, MAX_TOKENS, MAX_TOP_K
+from kdray.engine.request import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K, MAX_VOCAB, SamplingParams)
 
 MAX_N = 16  # choices per request
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
@@ -166,8 +167,12 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # kdray / vLLM extension: token ids beside the text
-    logprobs: Any = None
-    top_logprobs: Any = None
+    presence_penalty: float = Field(SamplingParams.presence_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(SamplingParams.frequency_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(SamplingParams.repetition_penalty, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] = Field({}, max_length=MAX_LOGIT_BIAS)
+    min_p: float = Field(SamplingParams.min_p, ge=0, le=1)  # vLLM's
+    min_tokens: int = Field(SamplingParams.min_tokens, ge=0, le=MAX_TOKENS)  # vLLM's
     user: str | None = None  # METADATA_FIELDS
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
@@ -188,12 +193,18 @@ class GenerationRequest(_Strict):
                            param="seed", code="invalid_value")
         return self
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("logit_bias")
     @classmethod
-    def _unsupported(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("log probabilities are not supported by kdray yet; leave the field out")
+    def _token_ids(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k in v if not (k.isascii() and k.isdigit() and len(k) <= 9 and int(k) < MAX_VOCAB)]
+        if bad:
+            raise ValueError(f"keys must be token ids written as decimal strings, like \"50256\" (got {bad[0][:20]!r})")
         return v
+
+    @property
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer keys, None when empty."""
+        return {int(k): b for k, b in self.logit_bias.items()} or None
 
     @model_validator(mode="after")
     def _stream_options(self) -> GenerationRequest:
@@ -212,6 +223,19 @@ class CompletionRequest(GenerationRequest):
     prompt: list[str | list[int]]
     echo: bool = False  # the prompt's text before each choice's
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the top alternatives reported beside each token
+
+    @property
+    def reported_logprobs(self) -> int | None:
+        """Alternatives per token the engine reports (None: no log-probabilities)."""
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise FieldError(("logprobs",), "with echo would report the prompt's log-probabilities, which kdray does "
+                                            "not compute; leave out echo or logprobs")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -347,6 +371,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     ``tool_choice`` is "none"."""
 
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool = False  # report each token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # ... and the likeliest alternatives (needs logprobs)
     tool_choice: Any = None  # "none" or "auto"; forcing a call needs constrained decoding
     parallel_tool_calls: bool = True  # false: the reply's first tool call only
 
@@ -367,7 +393,14 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
             self.max_tokens = self.max_completion_tokens
         if self.tool_choice not in (None, "none") and self.tools is None:
             raise FieldError(("tool_choice",), f"'{self.tool_choice}' needs tools; send tools or leave it out")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError(("top_logprobs",), "needs logprobs: true; send it or leave top_logprobs out")
         return self
+
+    @property
+    def reported_logprobs(self) -> int | None:
+        """Alternatives per token the engine reports (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kdray.actors.channel import WorkerFailure
@@ -134,6 +134,10 @@ class OpenAIServing:
                            param=field, code="tokenizer_missing")
         return self.tokenizer.decode(ids)
 
+    def _token_text(self, token: int) -> str:
+        """One token's text in log-probabilities (``token_id:<id>`` for a model without a tokenizer, as vLLM)."""
+        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
+
     def _render(self, req: ChatTemplateFields) -> list[int]:
         """The chat prompt's token ids: the chat template over the request's messages, tools, ..."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
@@ -175,17 +179,28 @@ class OpenAIServing:
         requests = []
         for i, ids in enumerate(prompts):
             max_tokens = self._max_tokens(req, len(ids), chat)
+            if req.min_tokens > max_tokens:
+                raise APIError(400, f"min_tokens: {req.min_tokens} is more than max_tokens ({max_tokens}); lower it",
+                               param="min_tokens")
             for j in range(req.n):
                 params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                         top_k=max(req.top_k, 0), seed=None if req.seed is None else req.seed + j,
                                         stop=req.stop, stop_token_ids=req.stop_token_ids,
                                         include_stop_str_in_output=req.include_stop_str_in_output,
-                                        ignore_eos=req.ignore_eos)
+                                        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, min_p=req.min_p,
+                                        presence_penalty=req.presence_penalty,
+                                        frequency_penalty=req.frequency_penalty,
+                                        repetition_penalty=req.repetition_penalty, logit_bias=req.token_bias,
+                                        logprobs=req.reported_logprobs)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
-        response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools)
+        response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools,
+                             self._token_text)
         try:
             stream = await self.engine.generate(requests)
-        except ValueError as e:  # the engine refused the prompt
+        except ValueError as e:  # the engine refused the prompt, or a field ("<field>: why")
+            name = str(e).split(":")[0]
+            if name in type(req).model_fields:
+                raise APIError(400, str(e), param=name, code="invalid_value") from None
             raise APIError(400, str(e), code="invalid_prompt") from None
         if req.stream:
             return response.sse(stream)
@@ -206,14 +221,17 @@ class _Sent:
     text: str = ""
     ids: int = 0
     calls: list[list] = field(default_factory=list)  # [id, characters of arguments sent]
+    offset: int = 0  # characters of the tokens whose log-probabilities are sent (completions' text_offset)
 
 
 class _Response:
     """The OpenAI body shapes of one request: a whole response or its SSE chunks."""
 
     def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int,
-                 echo: list[str] | None = None, tools: ToolCallParser | None = None):
+                 echo: list[str] | None = None, tools: ToolCallParser | None = None,
+                 token_text: Callable[[int], str] = str):
         self.rid, self.model, self.chat, self.choices, self.prompt_tokens = rid, model, chat, choices, prompt_tokens
+        self.top, self.token_text = req.reported_logprobs, token_text
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
         self.hold = max(map(len, req.stop), default=1) - 1  # text that may yet turn out to start a stop string
         self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
@@ -225,16 +243,16 @@ class _Response:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
     def _choice(self, index: int, text: str | None, token_ids: list[int], finish: str | None, delta: bool,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
         if not self.chat:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         else:
             message = {} if delta else {"role": "assistant", "content": text}
             if delta and text:
                 message["content"] = text
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": index, "delta" if delta else "message": message, "logprobs": None,
+            choice = {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
                       "finish_reason": finish}
         if self.token_ids:
             choice["token_ids"] = token_ids
@@ -261,7 +279,7 @@ class _Response:
                 text = self.echo[index] + text
             tool_calls = [_tool_call(call, call.id or _call_id()) for call in calls]
             choices.append(self._choice(index, (text or None) if calls else text, c.token_ids, finish, False,
-                                        tool_calls))
+                                        tool_calls, self._logprobs(c, 0, _Sent())))
             if self.token_ids:
                 choices[-1]["prompt_token_ids"] = out.prompt_token_ids
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -293,6 +311,28 @@ class _Response:
                 deltas.append({"index": i, "function": {"arguments": arguments}})
         return text, deltas, finish
 
+    def _logprobs(self, c: CompletionOutput, start: int, sent: _Sent) -> dict | None:
+        """The log-probabilities of a choice's tokens from ``start`` on in OpenAI's shape (None when not asked):
+        completions' ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``sent.offset`` advanced), chat's
+        ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
+        if self.top is None:
+            return None
+        rows = []  # per token: its text, its logprob and its top alternatives [(text, logprob)], best first
+        for token, found in zip(c.token_ids[start:], c.logprobs[start:]):
+            top = sorted((lp.rank, t, lp.logprob) for t, lp in found.items()  # completions: the token's too
+                         if lp.rank <= self.top or (t == token and not self.chat))
+            rows.append((self.token_text(token), _finite(found[token].logprob),
+                         [(self.token_text(t), _finite(v)) for _, t, v in top]))
+        if self.chat:
+            return {"content": [{**_entry(text, value), "top_logprobs": [_entry(*alt) for alt in top]}
+                                for text, value, top in rows]}
+        offsets = []
+        for text, _, _ in rows:
+            offsets.append(sent.offset)
+            sent.offset += len(text)
+        return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+                "top_logprobs": [dict(r[2]) for r in rows], "text_offset": offsets}
+
     async def sse(self, stream: RequestStream) -> AsyncIterator[str]:
         """SSE text: per choice, the role first (chat) or the echoed prompt, then deltas, then the finish reason."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -310,9 +350,10 @@ class _Response:
                 c = out.outputs[0]
                 text, tool_calls, finish = self._delta(c, out.finished, sent[index])
                 ids = c.token_ids[sent[index].ids:]
+                logprobs = self._logprobs(c, sent[index].ids, sent[index])
                 sent[index].ids = len(c.token_ids)
                 if text or ids or tool_calls or finish:
-                    choice = self._choice(index, text, ids, finish, True, tool_calls)
+                    choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs)
                     yield sse({**self._head(obj), "choices": [choice]})
             if self.include_usage:
                 yield sse({**self._head(obj), "choices": [],
@@ -322,6 +363,16 @@ class _Response:
             yield sse(api_error(e, "a stream").body())
         finally:
             stream.abort()
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry (vLLM's floor for -inf)."""
+    return max(logprob, -9999.0)
+
+
+def _entry(text: str, logprob: float) -> dict:
+    """A chat log-probability entry: the token's text, its log-probability and its UTF-8 bytes."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _call_id() -> str:

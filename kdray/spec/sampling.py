@@ -41,16 +41,20 @@ class RowParams:
     top_p: torch.Tensor  # [R] fp32, 1 = off
     seeds: torch.Tensor  # [R] int64
     all_greedy: bool  # host flag: skip the sampling path entirely
+    min_p: torch.Tensor | None = None  # [R] fp32, 0 = off; None: off for every row
 
 
 def choose_tokens(logits: torch.Tensor, positions: torch.Tensor, p: RowParams) -> torch.Tensor:
-    """logits ``[R, V]`` fp32, positions ``[R]`` -> chosen token ids ``[R]`` int64, with no host sync: in a batch
-    that samples at all, every row is sampled and greedy rows keep their argmax."""
+    """logits ``[R, V]`` fp32 (after :func:`kdray.spec.transforms.apply_transforms`), positions ``[R]`` -> chosen
+    token ids ``[R]`` int64, with no host sync: in a batch that samples at all, every row is sampled and greedy rows
+    keep their argmax."""
     choice = logits.argmax(-1)
     if p.all_greedy:
         return choice
     sampling = p.temperature > 0  # [R]
     x = logits / torch.where(sampling, p.temperature, 1.0)[:, None]  # [R, V]
+    if p.min_p is not None:  # vLLM's: after temperature, drop tokens below min_p times the likeliest's probability
+        x = x.masked_fill(x < x.max(-1, keepdim=True).values + p.min_p.log()[:, None], float("-inf"))
     x = _filter_top_k_top_p(x, p.top_k, p.top_p)
     sampled = (x + gumbel_noise(p.seeds, positions, x.shape[-1])).argmax(-1)
     return torch.where(sampling, sampled, choice)

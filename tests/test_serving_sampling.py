@@ -1,0 +1,151 @@
+"""The sampling fields that change the target's distribution, and log-probabilities, through the OpenAI handlers
+in-process (the K2-layout chat checkpoint of tests/k2_chat.py on an AR engine): each field's bounds answer a 400
+naming it, and logprobs come in OpenAI's shapes, streamed and not, equal to the engine's."""
+import asyncio
+import json
+import math
+
+import pytest
+from k2_chat import GREETING, make_k2_chat_checkpoint
+
+from kdray import LLM
+from kdray.serve.async_engine import AsyncEngine
+from kdray.serve.metrics import Metrics
+from kdray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
+from kdray.serve.serving import OpenAIServing
+
+PROMPT = "<|im_assistant|>assistant<|im_middle|>"  # the scripted greeting follows
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    llm = LLM(model=str(make_k2_chat_checkpoint(tmp_path_factory.mktemp("m") / "k2-chat")), spec="ar", device="cpu")
+    engine = AsyncEngine(llm.engine, max_num_seqs=4, max_queue=4, metrics=Metrics())
+    yield OpenAIServing(engine, "k2-chat")
+    engine.shutdown()
+
+
+def call(serving: OpenAIServing, route: str, body: dict):
+    """The response body, or the streamed chunks' objects."""
+    async def go():
+        answer = await (serving.chat if route == "chat" else serving.completions)({"model": "k2-chat", **body})
+        if isinstance(answer, dict):
+            return answer
+        return [json.loads(e[6:]) for e in [e async for e in answer] if e != "data: [DONE]\n\n"]
+
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+@pytest.mark.parametrize("model,fields,param,message", [
+    (CompletionRequest, {"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    (CompletionRequest, {"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+    (CompletionRequest, {"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    (CompletionRequest, {"repetition_penalty": 11}, "repetition_penalty", "less than or equal to 10"),
+    (CompletionRequest, {"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    (CompletionRequest, {"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+    (CompletionRequest, {"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+    (CompletionRequest, {"logit_bias": {"five": 1}}, "logit_bias", "token ids written as decimal strings"),
+    (CompletionRequest, {"logit_bias": {"99999999": 1}}, "logit_bias", "token ids written as decimal strings"),
+    (CompletionRequest, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 items"),
+    (CompletionRequest, {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    (CompletionRequest, {"logprobs": True}, "logprobs", "valid integer"),
+    (CompletionRequest, {"echo": True, "logprobs": 1}, "logprobs", "the prompt's log-probabilities"),
+    (CompletionRequest, {"top_logprobs": 2}, "top_logprobs", "kdray does not implement this field"),
+    (ChatCompletionRequest, {"logprobs": 2}, "logprobs", "valid boolean"),
+    (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    (ChatCompletionRequest, {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+])
+def test_each_field_out_of_bounds_is_a_400_naming_it(model, fields, param, message):
+    body = {"model": "m", "prompt": "x"} if model is CompletionRequest else {"model": "m", "messages": USER}
+    with pytest.raises(APIError, match=message) as e:
+        validate(model, {**body, **fields})
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("fields,param", [({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+                                          ({"logit_bias": {"1024": 1}}, "logit_bias")])
+def test_fields_checked_against_the_request_and_the_model_are_400s_naming_them(serving, fields, param):
+    with pytest.raises(APIError) as e:
+        call(serving, "completions", {"prompt": PROMPT, **fields})
+    assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+def test_min_tokens_outlasts_eos(serving):
+    plain = call(serving, "completions", {"prompt": PROMPT, "max_tokens": 8})
+    longer = call(serving, "completions", {"prompt": PROMPT, "max_tokens": 8, "min_tokens": 6})
+    assert plain["usage"]["completion_tokens"] == len(GREETING) and plain["choices"][0]["finish_reason"] == "stop"
+    assert longer["usage"]["completion_tokens"] >= 6
+    assert longer["choices"][0]["text"].startswith(plain["choices"][0]["text"])
+
+
+def engine_logprobs(serving, prompt_ids: list[int], k: int) -> tuple[list[int], list[dict]]:
+    """The engine's own tokens and log-probabilities for the same request."""
+    from kdray import SamplingParams
+
+    engine = serving.engine.engine
+    done = []
+
+    async def go():
+        stream = await serving.engine.generate([("ref", prompt_ids, SamplingParams(max_tokens=4, logprobs=k,
+                                                                                     temperature=1.0, seed=3))])
+        done.extend([out async for out in stream])
+
+    asyncio.run(go())
+    assert engine.vocab_size == 1024
+    c = done[-1].outputs[0]
+    assert math.isclose(c.cumulative_logprob, sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+    return c.token_ids, c.logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_in_openais_shape(serving, stream):
+    body = {"prompt": "x", "max_tokens": 4, "temperature": 1.0, "seed": 3, "logprobs": 3, "stream": stream,
+            "return_token_ids": True}
+    answer = call(serving, "completions", body)
+    if stream:  # the chunks' logprobs, joined
+        chunks = [c["choices"][0] for c in answer if c["choices"]]
+        lp = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+              for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        ids = [t for c in chunks for t in c["token_ids"]]
+    else:
+        lp, ids = answer["choices"][0]["logprobs"], answer["choices"][0]["token_ids"]
+    tok = serving.tokenizer
+    ref_ids, ref = engine_logprobs(serving, tok.encode("x"), 3)
+    assert ids == ref_ids and len(ids) == 4
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"] == pytest.approx([d[t].logprob for t, d in zip(ids, ref)])
+    assert lp["text_offset"] == [sum(len(s) for s in lp["tokens"][:i]) for i in range(4)]
+    for top, t, d in zip(lp["top_logprobs"], ids, ref):  # the top 3 best first, and the emitted token
+        best = sorted((lp.rank, u, lp.logprob) for u, lp in d.items() if lp.rank <= 3 or u == t)
+        assert [r for r, _, _ in best[:3]] == [1, 2, 3]
+        assert top == pytest.approx({tok.decode([u]): v for _, u, v in best})  # (texts may coincide: one key)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_in_openais_shape(serving, stream):
+    body = {"messages": USER, "max_tokens": 4, "logprobs": True, "top_logprobs": 2, "stream": stream,
+            "return_token_ids": True}  # the scripted greeting: each token the likeliest
+    answer = call(serving, "chat", body)
+    if stream:
+        chunks = [c["choices"][0] for c in answer if c["choices"]]
+        content = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+        ids = [t for c in chunks for t in c.get("token_ids", [])]
+    else:
+        content, ids = answer["choices"][0]["logprobs"]["content"], answer["choices"][0]["token_ids"]
+    assert len(content) == len(ids) == 4
+    tok = serving.tokenizer
+    for entry, t in zip(content, ids):
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["token"] == tok.decode([t]) and entry["bytes"] == list(entry["token"].encode())
+        top = [e["logprob"] for e in entry["top_logprobs"]]
+        assert len(top) == 2 and top == sorted(top, reverse=True) and entry["logprob"] == top[0]
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # the emitted token leads the top
+
+
+def test_without_logprobs_the_field_is_null(serving):
+    answer = call(serving, "chat", {"messages": USER, "max_tokens": 2})
+    assert answer["choices"][0]["logprobs"] is None
+    answer = call(serving, "completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 0})
+    lp = answer["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 2 and all(len(top) == 1 for top in lp["top_logprobs"])  # the emitted token alone
