@@ -185,11 +185,13 @@ def generated(sources, tmp_path_factory) -> tuple[Path, Path]:
     resumed = dirs[1] / "responses"
     assert corpus_main(["generate", "--corpus", str(dirs[1]), *GEN, "--max-shards", "1"]) == 0
     assert len(list(resumed.glob("shard-*.jsonl"))) == 1
+    first = (resumed / "shard-00000.jsonl").stat().st_mtime_ns
     assert corpus_main(["generate", "--corpus", str(dirs[1]), *GEN[:-1], "10"]) == 0
     rec = json.loads((resumed / "generation.json").read_text())
     assert len(list(resumed.glob("shard-*.jsonl"))) == rec["shards_done"] == 2 and rec["response_tokens"] == 12
     assert rec["prompts_needed"] == 4 and rec["tokens_per_response"] == 3
     assert corpus_main(["generate", "--corpus", str(dirs[1]), *GEN]) == 0
+    assert (resumed / "shard-00000.jsonl").stat().st_mtime_ns == first  # finished shards are not redone
     return dirs[0], dirs[1]
 
 
