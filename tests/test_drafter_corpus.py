@@ -156,6 +156,9 @@ def test_a_missing_source_is_named_and_the_rest_still_build(sources, tmp_path, c
         {"math", "foldoc"}
     assert corpus_main(build_args(tmp_path, sources, "--sources", "words,poems")) == 2
     assert "unknown source 'poems'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        corpus_main(build_args(tmp_path, sources, "--max-per-doc", "0"))
+    assert "--max-per-doc: '0' is not a whole number >= 1" in capsys.readouterr().err
 
 
 def test_the_build_is_deterministic_for_a_seed(built, sources, tmp_path):

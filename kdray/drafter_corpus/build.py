@@ -25,20 +25,27 @@ TARGET_TOKENS = 20_000_000
 TOKENS_PER_RESPONSE = 200  # the shipped drafter's run: 410k response tokens from 2048 prompts at 256 new tokens
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number >= 1")
+    return int(text)
+
+
 def add_arguments(ap: argparse.ArgumentParser):
     ap.add_argument("--out", type=Path, required=True, help="corpus directory (created; its files are replaced)")
     ap.add_argument("--seed", type=int, default=0, help="decides the caps' samples, the split, templates, order")
     ap.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, of {', '.join(SOURCES)}")
-    ap.add_argument("--max-chars", type=int, default=1200, help="longest passage in a prompt")
-    ap.add_argument("--max-per-source", type=int, default=20000, help="seeds kept per source")
-    ap.add_argument("--math-problems", type=int, default=8000, help="math word problems generated")
-    ap.add_argument("--max-per-doc", type=int, default=300, help="seeds kept per source document")
-    ap.add_argument("--prompts-per-seed", type=int, default=2, help="templates applied to each seed")
+    ap.add_argument("--max-chars", type=positive, default=1200, help="longest passage in a prompt")
+    ap.add_argument("--max-per-source", type=positive, default=20000, help="seeds kept per source")
+    ap.add_argument("--math-problems", type=positive, default=8000, help="math word problems generated")
+    ap.add_argument("--max-per-doc", type=positive, default=300, help="seeds kept per source document")
+    ap.add_argument("--prompts-per-seed", type=positive, default=2, help="templates applied to each seed")
     ap.add_argument("--heldout-fraction", type=float, default=0.05, help="of each source's documents")
     ap.add_argument("--heldout-sources", default="", help="comma-separated sources held out whole")
     ap.add_argument("--near-threshold", type=float, default=0.8, help="Jaccard similarity of near-duplicates")
-    ap.add_argument("--target-tokens", type=int, default=TARGET_TOKENS, help="response tokens the corpus is for")
-    ap.add_argument("--tokens-per-response", type=int, default=TOKENS_PER_RESPONSE,
+    ap.add_argument("--target-tokens", type=positive, default=TARGET_TOKENS, help="response tokens the corpus is for")
+    ap.add_argument("--tokens-per-response", type=positive, default=TOKENS_PER_RESPONSE,
                     help="assumed mean response length, for the estimate of prompts needed")
     ap.add_argument("--packages", help="docstrings: comma-separated distributions (default: all installed, "
                                        "and the standard library as 'python')")

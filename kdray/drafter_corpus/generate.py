@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from kdray.drafter_corpus.build import positive
 from kdray.engine.args import DEFAULT_MODEL
 
 SETTINGS_FILE = "generation.json"
@@ -25,11 +26,11 @@ def add_arguments(ap: argparse.ArgumentParser):
     ap.add_argument("--model", default=DEFAULT_MODEL, help="target: a preset, HF checkpoint dir or GGUF file")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
     ap.add_argument("--dtype", help="target dtype (default: bfloat16 on cuda, float32 on cpu)")
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="response length cap")
-    ap.add_argument("--batch", type=int, default=GEN_BATCH, help="prompts decoded together (at most)")
-    ap.add_argument("--shard-size", type=int, default=4096, help="prompts per shard (the unit of resuming)")
-    ap.add_argument("--target-tokens", type=int, help="stop at this many response tokens (default: the manifest's)")
-    ap.add_argument("--max-shards", type=int, help="shards to generate in this run (default: until the target)")
+    ap.add_argument("--max-new-tokens", type=positive, default=MAX_NEW_TOKENS, help="response length cap")
+    ap.add_argument("--batch", type=positive, default=GEN_BATCH, help="prompts decoded together (at most)")
+    ap.add_argument("--shard-size", type=positive, default=4096, help="prompts per shard (the unit of resuming)")
+    ap.add_argument("--target-tokens", type=positive, help="stop at this many response tokens (default: the manifest's)")
+    ap.add_argument("--max-shards", type=positive, help="shards to generate in this run (default: until the target)")
 
 
 def read_jsonl(path: Path) -> list[dict]:
