@@ -424,7 +424,7 @@ def topic_pairs(args: argparse.Namespace, target: LoadedTarget) -> tuple[list, l
 def corpus_pairs(args: argparse.Namespace, target: LoadedTarget) -> tuple[list, list[list[int]], dict]:
     """(prompt, response) token ids of a built corpus's generated shards; held-out eval prompts (the categories
     in turn); what the log records of the data."""
-    from kdray.drafter_corpus.generate import corpus_file, read_jsonl, read_responses
+    from kdray.drafter_corpus.files import corpus_file, read_jsonl, read_responses
 
     record, rows = read_responses(args.corpus, args.model)
     rows = rows[:args.num_prompts]
