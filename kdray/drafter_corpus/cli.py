@@ -10,7 +10,7 @@ from kdray.drafter_corpus import build, generate
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kdray drafter-corpus", description=USAGE.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="kdray drafter-corpus", description=USAGE,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     build.add_arguments(sub.add_parser("build", help="read the sources and write the prompts, split and manifest"))
