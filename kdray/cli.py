@@ -4,6 +4,7 @@
     kdray serve --model k2-tiny --port 8000
     kdray batch submit in.jsonl -o out.jsonl --address http://head:8000
     kdray bench kernels --only tree
+    kdray train-drafter --help; kdray drafter-corpus --help
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=list(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     sub.add_parser("train-drafter", add_help=False, help="train a DFlash drafter for a target (see its --help)")
+    sub.add_parser("drafter-corpus", add_help=False, help="build a drafter's training corpus, generate its "
+                                                          "responses (see its --help)")
     return ap
 
 
@@ -184,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train-drafter"]:  # its flags are kdray.train_drafter's own
         from kdray.train_drafter import main as train_drafter
 
-        return train_drafter(argv[1:])
+        try:
+            return train_drafter(argv[1:])
+        except ValueError as e:
+            print(f"kdray train-drafter: {e}", file=sys.stderr)
+            return 2
+    if argv[:1] == ["drafter-corpus"]:  # python -m kdray.drafter_corpus
+        from kdray.drafter_corpus.cli import main as drafter_corpus
+
+        return drafter_corpus(argv[1:])
     args = _parser().parse_args(argv)
     command = {"generate": generate, "serve": serve_forever, "batch": batch_submit, "bench": bench}[args.command]
     try:

@@ -37,16 +37,15 @@ import torch.nn.functional as F
 from kdray.engine.request import SamplingParams
 from kdray.model.batch import ForwardBatch
 from kdray.config import DFlashConfig, default_target_layer_ids
+from kdray.drafter_corpus.sources import passages
+from kdray.drafter_corpus.templates import TEMPLATES
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget, load_target, parse_dtype
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash's loss decay per block size
-INSTRUCTIONS = (
-    "Explain the following passage from the Python language reference in plain words.",
-    "Summarize the key points of this excerpt from the Python documentation.",
-    "Write a short Python example that illustrates the following documentation, and explain it.",
-    "A beginner is reading this part of the Python reference. What might confuse them? Explain.",
-)
+INSTRUCTIONS = tuple(t for _, t in TEMPLATES["pydoc"][:4])  # the shipped drafter's prompts
+MAX_NEW_TOKENS = 256  # response length cap
+GEN_BATCH = 256  # prompts decoded together while generating responses
 PAGE_SIZE = 16
 
 
@@ -65,14 +64,7 @@ def topic_passages(max_chars: int) -> tuple[list[str], list[str]]:
 
     train, heldout = [], []
     for name in sorted(topics):
-        chunk, split = "", heldout if heldout_topic(name) else train
-        for para in (p.strip() for p in topics[name].split("\n\n") if p.strip()):
-            if len(chunk) >= max_chars // 4 and len(chunk) + len(para) + 2 > max_chars:
-                split.append(chunk)
-                chunk = ""
-            chunk = f"{chunk}\n\n{para}".strip()[:max_chars]
-        if chunk:
-            split.append(chunk)
+        (heldout if heldout_topic(name) else train).extend(passages(topics[name], max_chars))
     held = set(heldout)
     return [p for p in train if p not in held], heldout
 
@@ -91,8 +83,8 @@ def topic_prompts(tokenizer, vocab_size: int, max_chars: int = 800, seed: int = 
     """Token ids of (training prompts, held-out prompts): every passage with every instruction, shuffled."""
     rng = random.Random(seed)
     out = []
-    for passages in topic_passages(max_chars):
-        prompts = [encode_prompt(tokenizer, f"{ins}\n\n{p}", vocab_size) for p in passages for ins in INSTRUCTIONS]
+    for split in topic_passages(max_chars):
+        prompts = [encode_prompt(tokenizer, f"{ins}\n\n{p}", vocab_size) for p in split for ins in INSTRUCTIONS]
         rng.shuffle(prompts)
         out.append(prompts)
     return out[0], out[1]
@@ -106,16 +98,22 @@ def kv_pages(prompt_lens: list[int], max_tokens: int, slack: int) -> int:
 # ---------------------------------------------------------------- data: responses and target features
 
 
+def ar_llm(target: LoadedTarget, prompts: list[list[int]], max_new_tokens: int, batch: int):
+    """kdray's engine on ``target`` for plain greedy decoding of ``batch`` of these prompts at a time (KV pages
+    for the longest ``batch`` of them)."""
+    from kdray.llm import LLM
+
+    return LLM(model=target, spec="ar", max_num_seqs=batch, max_tokens_per_step=32768,
+               num_pages=kv_pages(sorted(map(len, prompts))[-batch:], max_new_tokens, 2))
+
+
 def regenerate(target: LoadedTarget, prompts: list[list[int]], max_new_tokens: int, batch: int,
                deadline: float | None = None) -> list[list[int]]:
     """Greedy responses of the target (kdray's engine, AR, ``batch`` prompts at a time); stops early past
     ``deadline`` (perf_counter seconds), so the result can be shorter than ``prompts``."""
     from tqdm import tqdm
 
-    from kdray.llm import LLM
-
-    llm = LLM(model=target, spec="ar", max_num_seqs=batch, max_tokens_per_step=32768,
-              num_pages=kv_pages(sorted(map(len, prompts))[-batch:], max_new_tokens, 2))
+    llm = ar_llm(target, prompts, max_new_tokens, batch)
     out: list[list[int]] = []
     params = SamplingParams(max_tokens=max_new_tokens)
     with tqdm(total=len(prompts), desc="regenerate", unit="prompt", mininterval=5) as bar:
@@ -369,10 +367,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--mask-token-id", type=int, help="default: a token unused by the training data")
     g = ap.add_argument_group("data")
+    g.add_argument("--corpus", type=Path, help="train on a built corpus with generated responses (python -m "
+                   "kdray.drafter_corpus; --max-chars, --max-new-tokens, --gen-* do not apply); default: prompts "
+                   "from pydoc_data.topics, responses regenerated here")
     g.add_argument("--max-chars", type=int, default=800, help="passage length of a prompt")
-    g.add_argument("--num-prompts", type=int, help="training prompts to use (default: all)")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
-    g.add_argument("--gen-batch", type=int, default=256, help="prompts decoded together while regenerating")
+    g.add_argument("--num-prompts", type=int, help="training prompts (or corpus sequences) to use (default: all)")
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="response length cap")
+    g.add_argument("--gen-batch", type=int, default=GEN_BATCH, help="prompts decoded together while regenerating")
     g.add_argument("--gen-seconds", type=float, help="stop regenerating after this long (fewer prompts)")
     g = ap.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
@@ -395,10 +396,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("give exactly one of --steps and --train-seconds")
     if not 0 <= args.warmup < 1:
         ap.error(f"--warmup {args.warmup}: give the fraction of the run to warm up over, in [0, 1)")
+    if args.corpus is not None and not args.corpus.is_dir():
+        ap.error(f"--corpus {args.corpus}: no such directory (build one: python -m kdray.drafter_corpus build "
+                 f"--out {args.corpus}, then generate)")
     args.gamma = args.gamma or GAMMA.get(args.block_size)
     if args.gamma is None:
         ap.error(f"give --gamma for block size {args.block_size} (DFlash: 7 for 16, 5 for 10, 4 for 8)")
     return args
+
+
+def topic_pairs(args: argparse.Namespace, target: LoadedTarget) -> tuple[list, list[list[int]], dict]:
+    """(prompt, response) token ids from pydoc_data.topics, the responses regenerated here; held-out eval
+    prompts; what the log records of the data."""
+    train_prompts, heldout = topic_prompts(target.tokenizer, target.config.vocab_size, args.max_chars, args.seed)
+    train_prompts = train_prompts[:args.num_prompts]
+    print(f"{len(train_prompts)} training prompts, {len(heldout)} held out (pydoc_data.topics, Python "
+          f"{platform.python_version()})", file=sys.stderr)
+    t = time.perf_counter()
+    deadline = t + args.gen_seconds if args.gen_seconds else None
+    responses = regenerate(target, train_prompts, args.max_new_tokens, args.gen_batch, deadline)
+    pairs = [(p, r) for p, r in zip(train_prompts, responses) if len(r) >= 2]
+    return pairs, heldout[:args.eval_prompts], {
+        "source": "pydoc_data.topics (Python's own reference text)", "python": platform.python_version(),
+        "heldout_prompts": len(heldout), "regenerate_seconds": round(time.perf_counter() - t, 1)}
+
+
+def corpus_pairs(args: argparse.Namespace, target: LoadedTarget) -> tuple[list, list[list[int]], dict]:
+    """(prompt, response) token ids of a built corpus's generated shards; held-out eval prompts (the categories
+    in turn); what the log records of the data."""
+    from kdray.drafter_corpus.files import corpus_file, read_jsonl, read_responses
+
+    record, rows = read_responses(args.corpus, args.model)
+    rows = rows[:args.num_prompts]
+    heldout = read_jsonl(corpus_file(args.corpus, "heldout.jsonl"))
+    if not heldout:
+        raise ValueError(f"{args.corpus} holds out no prompts to evaluate on: build it with --heldout-fraction > 0")
+    by_category: dict[str, list[dict]] = {}
+    for r in heldout:
+        by_category.setdefault(r["category"], []).append(r)
+    queues = [by_category[c] for c in sorted(by_category)]
+    picked = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    eval_prompts = [encode_prompt(target.tokenizer, r["prompt"], target.config.vocab_size)
+                    for r in picked[:args.eval_prompts]]
+    manifest = json.loads(corpus_file(args.corpus, "manifest.json").read_text())
+    print(f"{len(rows)} training sequences, {len(heldout)} held-out prompts (corpus {args.corpus}, "
+          f"seed {manifest['seed']})", file=sys.stderr)
+    return [(r["prompt_ids"], r["response_ids"]) for r in rows if len(r["response_ids"]) >= 2], eval_prompts, {
+        "source": f"corpus {args.corpus}", "corpus_seed": manifest["seed"],
+        "corpus_prompts_sha256": record["settings"]["prompts_sha256"], "heldout_prompts": len(heldout),
+        "eval_categories": [r["category"] for r in picked[:args.eval_prompts]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,28 +456,17 @@ def main(argv: list[str] | None = None) -> int:
     dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     torch.manual_seed(args.seed)
     target = load_target(args.model, dtype, device)
-    train_prompts, heldout = topic_prompts(target.tokenizer, target.config.vocab_size, args.max_chars, args.seed)
-    train_prompts = train_prompts[:args.num_prompts]
-    eval_prompts = heldout[:args.eval_prompts]
-    print(f"{len(train_prompts)} training prompts, {len(heldout)} held out (pydoc_data.topics, Python "
-          f"{platform.python_version()}); target {args.model} on {device} in {dtype}", file=sys.stderr)
-
-    t = time.perf_counter()
-    deadline = t + args.gen_seconds if args.gen_seconds else None
-    responses = regenerate(target, train_prompts, args.max_new_tokens, args.gen_batch, deadline)
-    pairs = [(p, r) for p, r in zip(train_prompts, responses) if len(r) >= 2]
+    print(f"target {args.model} on {device} in {dtype}", file=sys.stderr)
+    pairs, eval_prompts, data = (corpus_pairs if args.corpus else topic_pairs)(args, target)
     seqs, prompt_lens = [p + r for p, r in pairs], [len(p) for p, _ in pairs]
-    gen_seconds = time.perf_counter() - t
     flat = torch.tensor([x for s in seqs for x in s])
     mask_id = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(
         target.tokenizer, target.config.vocab_size, flat)
     cfg = drafter_config(target.config, args.layers, args.target_layers, args.block_size, mask_id)
     t = time.perf_counter()
     corpus = Corpus.build(target, seqs, prompt_lens, cfg.target_layer_ids)
-    data = {"source": "pydoc_data.topics (Python's own reference text)", "python": platform.python_version(),
-            "sequences": len(seqs), "heldout_prompts": len(heldout), "tokens": int(flat.numel()),
-            "response_tokens": int(flat.numel()) - sum(prompt_lens), "regenerate_seconds": round(gen_seconds, 1),
-            "feature_seconds": round(time.perf_counter() - t, 1)}
+    data.update(sequences=len(seqs), tokens=sum(map(len, seqs)), response_tokens=sum(map(len, seqs)) - sum(prompt_lens),
+                feature_seconds=round(time.perf_counter() - t, 1))
     print(f"data: {data}", file=sys.stderr)
 
     with torch.device(device):
