@@ -97,7 +97,7 @@ def generate(args: argparse.Namespace) -> dict:
     for i in todo:
         if rec["response_tokens"] >= target_tokens:
             break
-        res = llm.generate(prompt_token_ids=ids[i], sampling_params=params, use_tqdm=False)
+        res = llm.generate(prompt_token_ids=ids[i], sampling_params=params)  # a bar on a terminal
         rows = [{"id": m["id"], "source": m["source"], "category": m["category"], "prompt_ids": p,
                  "response_ids": r.outputs[0].token_ids, "finish_reason": r.outputs[0].finish_reason}
                 for m, p, r in zip(prompts[i * args.shard_size:], ids[i], res)]
