@@ -202,6 +202,8 @@ FIELDS = dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1
               min_p=0.05, min_tokens=6, logprobs=3)
 
 
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="the fields are refused on GPUs until their GPU-vs-CPU "
+                   "difference is found (benchmarks/RESULTS.md): remove this mark with the fix")
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_fields_under_cuda_graphs_equal_the_cpu_reference(sampled):
     """fp32 on the GPU, the step replayed from CUDA graphs (captured with the fields' features): DDTree's tokens and
@@ -225,6 +227,8 @@ def test_fields_under_cuda_graphs_equal_the_cpu_reference(sampled):
     assert not gpu.engine.runner._step_graphs._eager
 
 
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="the fields are refused on GPUs until their GPU-vs-CPU "
+                   "difference is found (benchmarks/RESULTS.md): remove this mark with the fix")
 def test_bf16_fields_with_cuda_graphs_equal_ar():
     """bf16 and CUDA graphs: DDTree under the fields emits AR's tokens (near-ties of bf16 logits aside, as the
     plain bf16 test)."""
