@@ -376,8 +376,8 @@ def test_the_fields_that_differ_on_gpus_are_refused_there():
     """logit_bias, min_p, min_tokens and the penalties decode differently on GPUs (an open bug): an engine on a GPU
     refuses them, naming the field, and serves the rest; on the CPU they run."""
     params = [SamplingParams(max_tokens=3, logit_bias={5: 1.0}), SamplingParams(max_tokens=3, min_tokens=2),
-              SamplingParams(max_tokens=3, temperature=1.0, min_p=0.1), SamplingParams(max_tokens=3, presence_penalty=1),
-              SamplingParams(max_tokens=3, repetition_penalty=1.2)]
+              SamplingParams(max_tokens=3, temperature=1.0, min_p=0.1),
+              SamplingParams(max_tokens=3, presence_penalty=1), SamplingParams(max_tokens=3, repetition_penalty=1.2)]
     gpu = make_engine(FakeRunner())
     gpu.gpu = True
     for p, name in zip(params, ["logit_bias", "min_tokens", "min_p", "presence_penalty", "repetition_penalty"]):

@@ -73,8 +73,9 @@ class Engine:
                              "leave them out")
         refused = sorted(params.features & set(GPU_REFUSED)) if self.gpu else []
         if refused:
-            raise ValueError(f"{params.field_of(refused[0])}: not served on GPUs yet (it decodes differently there than "
-                             "the CPU reference; an open bug, see benchmarks/RESULTS.md); leave it out or run on the CPU")
+            raise ValueError(f"{params.field_of(refused[0])}: not served on GPUs yet (it decodes differently there "
+                             "than the CPU reference; an open bug, see benchmarks/RESULTS.md); leave it out or run on "
+                             "the CPU")
         outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if outside:
             raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
