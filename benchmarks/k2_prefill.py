@@ -5,18 +5,19 @@
 
 The shard is the one ``benchmarks/k2_step.py`` builds (``K2Model`` at K2's dimensions divided for TP8, random
 parameters, random INT4 experts); ``--model smollm2-135m`` runs the Llama-family path instead, SmolLM2-135M's
-dimensions with random weights (the same prefill attention). A prompt cell ``N`` is one prompt of N tokens, ``BxN`` a batch of B prompts of
-N tokens each, prefilled into an empty paged latent cache in one pass, ending with the logits of every prompt's
-last token (what prefill hands to sampling). A cell ``P+N`` is the prefill of a request whose first P tokens are
-in the prefix cache: N new tokens attending to the cached P (the engine's form of a chunk after cached tokens:
-the verify pass with a causal mask); compare it with the cell ``P+N``'s whole prompt, ``P+N`` tokens uncached.
+dimensions with random weights (the same prefill attention). A prompt cell ``N`` is one prompt of N tokens, ``BxN``
+a batch of B prompts of N tokens each, prefilled into an empty paged latent cache in one pass, ending with the
+logits of every prompt's last token (what prefill hands to sampling). A cell ``P+N`` is the prefill of a request
+whose first P tokens are in the prefix cache: N new tokens attending to the cached P (the engine's form of a chunk
+after cached tokens: the verify pass with a causal mask); compare it with the cell ``P+N``'s whole prompt, ``P+N``
+tokens uncached.
 
-Columns: time (median of 3 eager passes after a warm-up); compute floor = FLOPs / the bf16 GEMM rate measured in
-the same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the
-shared experts, the router; not the embedding, and the vocabulary projection for the last tokens only)
-+ 2 x tokens x 8 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x
-(qk + v head dims: 192 + 128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached
-prefix, the absorbed form's 2 x heads x (576 + 512) per query and visible key); the ratio; prompt tokens per second; and the GPU time by kind
+Columns: time (median of 3 eager passes after a warm-up); compute floor = FLOPs / the bf16 GEMM rate measured in the
+same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the shared
+experts, the router; not the embedding, and the vocabulary projection for the last tokens only) + 2 x tokens x 8
+routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x (qk + v head dims: 192 +
+128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached prefix, the absorbed form's
+2 x heads x (576 + 512) per query and visible key); the ratio; prompt tokens per second; and the GPU time by kind
 (attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
 table.
 """

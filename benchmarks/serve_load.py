@@ -140,7 +140,8 @@ async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
         runs += [await one_request(session, url, model, texts[i][:200], 16, system) for i in range(1, 12)]
         after = await scrape(session, url)
     ttft = [r["ttft"] for r in runs[1:]]
-    engine_ttft = since(after, before, ttft_key.format("sum")) / max(1.0, since(after, before, ttft_key.format("count")))
+    count = max(1.0, since(after, before, ttft_key.format("count")))
+    engine_ttft = since(after, before, ttft_key.format("sum")) / count
     return {"ttft_p50": statistics.median(ttft), "ttft_first": runs[0]["ttft"], "engine_ttft_mean": engine_ttft}
 
 
@@ -168,7 +169,8 @@ async def long_prompts(url: str, model: str, args, texts: list[str], streams: in
     within = {float(k.split('le="')[1].split('"')[0]): since(after, before, k) for k in after
               if k.startswith("kdray_step_seconds_bucket") and 'stage="total"' in k}  # upper bound -> steps
     return {"gap_p50": statistics.median(gaps), "gap_p99": gaps[int(0.99 * (len(gaps) - 1))], "steps": steps,
-            "slow_steps": steps - within.get(0.1, 0.0), "slowest_within": min(b for b, n in within.items() if n >= steps)}
+            "slow_steps": steps - within.get(0.1, 0.0),
+            "slowest_within": min(b for b, n in within.items() if n >= steps)}
 
 
 def deploy(spec: str, args) -> str:

@@ -11,9 +11,10 @@ A step plan (msgpack) is ``{"op", ...}``:
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
-Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}``, ``step`` with ``{"tokens", "seconds", "logprobs"}``; the drafter answers
-``step`` with ``{"seconds", "masses"}`` (its stages, and its trees' masses for ``budget="auto"``); other actors answer nothing unless they fail
-(``{"error": traceback}``). The loop ends when the engine closes the channel.
+Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}``, ``step`` with ``{"tokens", "seconds", "logprobs"}``;
+the drafter answers ``step`` with ``{"seconds", "masses"}`` (its stages, and its trees' masses for
+``budget="auto"``); other actors answer nothing unless they fail (``{"error": traceback}``). The loop ends when the
+engine closes the channel.
 """
 from __future__ import annotations
 

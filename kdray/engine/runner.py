@@ -321,8 +321,9 @@ class ModelRunner:
         pad = size - T
         after = torch.arange(1, pad + 1, device=self.device)  # [pad]
         scratch = self.slots.scratch_page * self.page_size + after % self.page_size  # [pad] rows of the scratch page
-        inputs = (torch.cat([fb.input_ids, torch.zeros_like(after)]), torch.cat([fb.positions, fb.positions[-1] + after]),
-                  fb.prefix_lens, fb.block_table, torch.cat([fb.slot_mapping, scratch]), last)
+        inputs = (torch.cat([fb.input_ids, torch.zeros_like(after)]),
+                  torch.cat([fb.positions, fb.positions[-1] + after]), fb.prefix_lens, fb.block_table,
+                  torch.cat([fb.slot_mapping, scratch]), last)
         cached = fb.tree_mask is not None
         if cached:  # a chunk after cached tokens: the verify form, causal over the padded chunk
             inputs += (causal_tree_mask([size], self.device),)

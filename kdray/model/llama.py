@@ -1,8 +1,8 @@
 """Dense Llama-family target (Llama 2/3, SmolLM2, ...): GQA attention over a paged KV cache, SwiGLU MLP.
 
-Prefill runs causal attention over the batch's prompts (``prefill_attention``); verify passes run the tree-verify kernel's GQA form over the
-cache. Tensor parallelism splits the attention heads (q/k/v column-parallel, o_proj row-parallel), the
-MLP width and the vocabulary; each shard caches only its own KV heads.
+Prefill runs causal attention over the batch's prompts (``prefill_attention``); verify passes run the tree-verify
+kernel's GQA form over the cache. Tensor parallelism splits the attention heads (q/k/v column-parallel, o_proj
+row-parallel), the MLP width and the vocabulary; each shard caches only its own KV heads.
 """
 from __future__ import annotations
 
