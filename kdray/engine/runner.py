@@ -7,9 +7,8 @@ step's tokens back while the next one runs. AR, chain and DDTree are the same st
 the root alone, a single path, or the best-first tree. In-process one runner does all of it
 (:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs; a lone prompt chunk of up to 512 tokens
 is prefilled from a graph too, since an eager pass of a short chunk costs more host time than device time); on
-Ray a shard's runner verifies,
-accepts and commits, and the drafter actor's runner drafts and builds (see :mod:`kdray.actors`), calling the
-same stage methods.
+Ray a shard's runner verifies, accepts and commits, and the drafter actor's runner drafts and builds (see
+:mod:`kdray.actors`), calling the same stage methods.
 """
 from __future__ import annotations
 
@@ -253,6 +252,7 @@ class ModelRunner:
         self._prompt_graphs = GraphedFn(self._prompt_fn, lambda: lambda: None) if self.graphs and target_kv else None
         # [2] int32 per padded size: the one prompt's row offsets
         self._prompt_cu = {n: torch.tensor([0, n], dtype=torch.int32, device=self.device) for n in PROMPT_BUCKETS}
+        self._prompt_masks: dict[int, torch.Tensor] = {}  # padded size -> causal mask [1, n, ceil(n/32)], when used
 
     def shutdown(self):
         """Free the KV caches and captured graphs; the runner cannot step afterwards."""
@@ -326,7 +326,9 @@ class ModelRunner:
                   torch.cat([fb.slot_mapping, scratch]), last)
         cached = fb.tree_mask is not None
         if cached:  # a chunk after cached tokens: the verify form, causal over the padded chunk
-            inputs += (causal_tree_mask([size], self.device),)
+            if size not in self._prompt_masks:
+                self._prompt_masks[size] = causal_tree_mask([size], self.device)
+            inputs += (self._prompt_masks[size],)
         (logits, features), _ = graphs(inputs, cached=cached)
         return logits, None if features is None else features[:T]
 
