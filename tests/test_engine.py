@@ -370,20 +370,3 @@ def test_host_work_per_token_does_not_grow_with_the_output_length():
         assert outs[0].outputs[0].text == AngleTokenizer().decode(expected([1], n))
         per_token.append(tok.decoded / n)
     assert per_token[1] <= 1.1 * per_token[0] and per_token[1] < 20
-
-
-def test_the_fields_that_differ_on_gpus_are_refused_there():
-    """logit_bias, min_p, min_tokens and the penalties decode differently on GPUs (an open bug): an engine on a GPU
-    refuses them, naming the field, and serves the rest; on the CPU they run."""
-    params = [SamplingParams(max_tokens=3, logit_bias={5: 1.0}), SamplingParams(max_tokens=3, min_tokens=2),
-              SamplingParams(max_tokens=3, temperature=1.0, min_p=0.1),
-              SamplingParams(max_tokens=3, presence_penalty=1), SamplingParams(max_tokens=3, repetition_penalty=1.2)]
-    gpu = make_engine(FakeRunner())
-    gpu.gpu = True
-    for p, name in zip(params, ["logit_bias", "min_tokens", "min_p", "presence_penalty", "repetition_penalty"]):
-        with pytest.raises(ValueError, match=f"{name}.*not served on GPUs"):
-            gpu.add_request("r", [1, 2, 3], p)
-    assert run(gpu, [[1, 2, 3]], [SamplingParams(max_tokens=3, ignore_eos=True)])[0].finished
-    cpu = make_engine(FakeRunner())
-    for i, p in enumerate(params):
-        cpu.add_request(f"r{i}", [1, 2, 3], p)  # accepted

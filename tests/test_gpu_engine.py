@@ -27,10 +27,12 @@ def tokens(outs):
 
 
 def test_greedy_ddtree_on_gpu_equals_cpu_reference():
+    """fp32 on both devices (the references name their device: LLM() picks the GPU, in bf16, when one is there)."""
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    cpu = tokens(LLM(model="k2-tiny", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params))
-    gpu = LLM(model="k2-tiny", device="cuda", drafter="random", spec="ddtree", budget=32, block_size=8)
-    assert tokens(gpu.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == cpu
+    cpu = LLM(model="k2-tiny", device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    gpu = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=32,
+              block_size=8)
+    assert tokens(gpu.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == tokens(cpu)
 
 
 def test_bf16_ddtree_with_cuda_graphs_equals_ar():
@@ -202,15 +204,13 @@ FIELDS = dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1
               min_p=0.05, min_tokens=6, logprobs=3)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="the fields are refused on GPUs until their GPU-vs-CPU "
-                   "difference is found (benchmarks/RESULTS.md): remove this mark with the fix")
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_fields_under_cuda_graphs_equal_the_cpu_reference(sampled):
     """fp32 on the GPU, the step replayed from CUDA graphs (captured with the fields' features): DDTree's tokens and
     log-probabilities equal AR's on the CPU, and a plain request batched with them equals its own run."""
     params = SamplingParams(max_tokens=32, ignore_eos=True, **FIELDS,
                             **(dict(temperature=1.0, seed=5) if sampled else {}))
-    cpu = LLM(model="k2-tiny", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    cpu = LLM(model="k2-tiny", device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
     gpu = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=32,
               block_size=8, cuda_graphs=True)
     plain = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -227,8 +227,6 @@ def test_fields_under_cuda_graphs_equal_the_cpu_reference(sampled):
     assert not gpu.engine.runner._step_graphs._eager
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="the fields are refused on GPUs until their GPU-vs-CPU "
-                   "difference is found (benchmarks/RESULTS.md): remove this mark with the fix")
 def test_bf16_fields_with_cuda_graphs_equal_ar():
     """bf16 and CUDA graphs: DDTree under the fields emits AR's tokens (near-ties of bf16 logits aside, as the
     plain bf16 test)."""

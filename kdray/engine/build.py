@@ -62,7 +62,7 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
                           args.max_tokens_per_step, args.prefill_chunk or args.max_tokens_per_step)
     policy = warm_up(runner, layout)
     return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name, layout.spec.nodes,
-                  policy, gpu=torch.device(args.device).type == "cuda"), facts
+                  policy), facts
 
 
 def warm_steps(runner, layout: EngineLayout, widths: list[int], repeats: int = 2) -> dict[tuple[int, int], float]:

@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from kdray.engine.request import GPU_REFUSED, MAX_BAN, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from kdray.engine.request import MAX_BAN, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.sequence import Sequence
 from kdray.engine.step import Pending, PrefillBatch, StepBatch
@@ -45,12 +45,10 @@ class Engine:
     speculative step for the rest, then reports every request that emitted tokens or finished."""
 
     def __init__(self, runner, scheduler: Scheduler, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], model_name: str, nodes: int, policy: BudgetPolicy | None = None,
-                 gpu: bool = False):
+                 eos_token_ids: tuple[int, ...], model_name: str, nodes: int, policy: BudgetPolicy | None = None):
         """``nodes``: draft nodes per sequence per step; ``policy`` (``budget="auto"``) chooses them each step."""
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.nodes, self.policy = nodes, policy
-        self.gpu = gpu  # refuses GPU_REFUSED fields
         self.max_model_len, self.vocab_size, self.model_name = max_model_len, vocab_size, model_name
         self.eos_token_ids = set(eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -71,11 +69,6 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                              "leave them out")
-        refused = sorted(params.features & set(GPU_REFUSED)) if self.gpu else []
-        if refused:
-            raise ValueError(f"{params.field_of(refused[0])}: not served on GPUs yet (it decodes differently there "
-                             "than the CPU reference; an open bug, see benchmarks/RESULTS.md); leave it out or run on "
-                             "the CPU")
         outside = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if outside:
             raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -16,9 +16,6 @@ MAX_LOGPROBS = 20  # top log-probabilities per token
 MAX_BAN = 96  # tokens min_tokens masks: the EOS ids (unless ignore_eos) and stop_token_ids
 # The features of a request that cost the step something; a batch pays for those its requests use
 FEATURES = ("bias", "logprobs", "min_p", "min_tokens", "penalties")
-# Features whose fields decode differently on GPUs than on the CPU, whose engine matches their definitions (an open
-# bug, benchmarks/RESULTS.md): refused on GPUs until it is found, never served differently.
-GPU_REFUSED = ("bias", "min_p", "min_tokens", "penalties")
 
 
 @dataclass
@@ -96,13 +93,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def field_of(self, feature: str) -> str:
-        """The request field that turns ``feature`` on (the first penalty set, for ``penalties``)."""
-        if feature != "penalties":
-            return {"bias": "logit_bias"}.get(feature, feature)
-        return next(name for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
-                                               ("repetition_penalty", 1)) if getattr(self, name) != neutral)
 
     @property
     def features(self) -> frozenset[str]:
