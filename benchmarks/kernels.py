@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Ceilings, print_table  # noqa: E402
 
-SECTIONS = {"tree": "benchmarks.bench_tree", "attention": "benchmarks.bench_attention", "moe": "benchmarks.bench_moe"}
+SECTIONS = {"tree": "benchmarks.bench_tree", "attention": "benchmarks.bench_attention", "moe": "benchmarks.bench_moe",
+            "linear": "benchmarks.bench_linear"}
 
 
 def main():

@@ -19,6 +19,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.moe_route import moe_route
 from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.silu_mul import silu_mul
+from kdray.kernels.skinny_linear import skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch
@@ -173,7 +174,7 @@ class MoE(nn.Module):
                                  (self.e0, self.experts) if self.ep else None)  # [T, k] each
         shared = None
         if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
-            shared = F.linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
+            shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
         if self.cfg.quantization is None:
             out = dense_experts(x, self.w13, self.w2, ids, weights)
             out = out if shared is None else out + shared

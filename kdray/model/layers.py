@@ -14,6 +14,7 @@ from torch import nn
 
 from kdray.config import Llama3Scaling, YarnScaling
 from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kdray.kernels.skinny_linear import skinny_linear
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.parallel import SINGLE, shard_range, vocab_range
@@ -55,7 +56,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)  # [out(/tp), in(/tp)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = skinny_linear(x, self.weight)  # F.linear, or the weight-streaming kernel at a few tokens
         return self.group.all_reduce(y) if self.tp_dim == 1 and self.group.size > 1 else y
 
     def load(self, reader: CheckpointReader, names: str | list[str]):

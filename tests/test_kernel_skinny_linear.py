@@ -1,0 +1,61 @@
+"""skinny_linear: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), in and out of
+CUDA graphs, with the K split's tickets reused across launches."""
+import pytest
+import torch
+from gpu_checks import poison_allocator
+
+from kdray.kernels.skinny_linear import MAX_ROWS, k_splits, skinny_linear
+
+
+def test_cpu_and_unsupported_inputs_run_f_linear():
+    x, w = torch.randn(3, 256), torch.randn(40, 256)
+    assert torch.equal(skinny_linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_the_k_split_divides_k_and_fills_the_gpu_without_exceeding_its_waves():
+    assert k_splits(groups=18, steps=28, sm_count=132) == 28  # kv_a: 576 rows, K 7168
+    assert k_splits(groups=48, steps=28, sm_count=132) == 7  # q_a: 1536 rows
+    assert k_splits(groups=224, steps=4, sm_count=132) == 2  # o_proj: 7168 rows, K 1024
+    assert k_splits(groups=224, steps=1, sm_count=132) == 1  # shared down: K 256
+    assert k_splits(groups=10_000, steps=28, sm_count=132) == 1
+
+
+SHAPES = [  # (N, K): K2 TP8 shard projections, then odd row counts
+    (1536, 7168), (576, 7168), (1536, 1536), (7168, 1024), (512, 7168), (7168, 256), (33, 512), (1, 256), (100, 768),
+]
+
+
+def reference(x, w):
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_cuda_matches_fp32_reference(N, K, dtype):
+    g = torch.Generator("cuda").manual_seed(N * 7 + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+    for M in range(1, MAX_ROWS + 1):
+        for _ in range(2):  # twice: the tickets the first launch took are back at zero
+            x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+            poison_allocator()
+            torch.testing.assert_close(skinny_linear(x, w), reference(x, w), rtol=2 ** -7, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_replayed_from_a_cuda_graph_equals_eager():
+    w = (torch.randn(576, 7168, device="cuda") / 85).to(torch.bfloat16)  # split 28 ways: tickets in the graph
+    x = torch.randn(1, 7168, device="cuda").to(torch.bfloat16)
+    eager = skinny_linear(x, w)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        skinny_linear(x, w)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = skinny_linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)  # the same split and order of sums: bitwise
