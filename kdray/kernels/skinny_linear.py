@@ -78,9 +78,13 @@ _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 
 def _tickets(w: torch.Tensor) -> torch.Tensor:
     """The weight's row-group tickets (zero between launches; each launch's last blocks zero them again). One set
-    per weight: launches over one weight run in stream order."""
+    per weight: launches over one weight run in stream order. Made at the weight's first (eager) use: memory taken
+    inside a graph capture would belong to that graph's pool."""
     key = (w.data_ptr(), w.shape[0])
     t = _TICKETS.get(key)
     if t is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_linear's first use of a weight is inside a CUDA graph capture; run the "
+                               "captured function eagerly once first")
         t = _TICKETS[key] = torch.zeros(math.ceil(w.shape[0] / ROWS_PER_BLOCK), dtype=torch.int32, device=w.device)
     return t
