@@ -161,8 +161,13 @@ def test_a_field_has_an_effect_or_answers_400_naming_it(k2_chat, route, name):
         assert effect(answer_before, answer), json.dumps([answer_before, answer])[:2000]
 
 
-def test_best_of_equal_to_n_is_served_and_echo_refuses_logprobs(k2_chat):
+def test_best_of_equal_to_n_is_served_and_echo_with_logprobs_scores_the_prompt(k2_chat):
     status, answer = post(k2_chat, "/v1/completions", {**BASES["/v1/completions"], "n": 2, "best_of": 2})
     assert status == 200 and len(answer["choices"]) == 2
-    status, answer = post(k2_chat, "/v1/completions", {**BASES["/v1/completions"], "echo": True, "logprobs": 1})
-    assert status == 400 and answer["error"]["param"] == "logprobs"
+    for max_tokens in (8, 0):  # 0: the prompt alone (lm-eval-harness' loglikelihood requests)
+        status, answer = post(k2_chat, "/v1/completions", {**BASES["/v1/completions"], "echo": True, "logprobs": 1,
+                                                           "max_tokens": max_tokens})
+        lp, used = answer["choices"][0]["logprobs"], answer["usage"]
+        assert status == 200 and len(lp["tokens"]) == used["prompt_tokens"] + used["completion_tokens"]
+        assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+        assert (used["completion_tokens"] == 0) == (max_tokens == 0)

@@ -91,18 +91,22 @@ def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp)
     # the fields that change the distribution travel in the prefill plan; log-probabilities come back with tokens
     fields = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3, presence_penalty=-1.0,
                             frequency_penalty=-1.0, repetition_penalty=1.2, logit_bias={17: 2.0}, min_p=0.05,
-                            min_tokens=4, logprobs=2)
+                            min_tokens=4, logprobs=2, prompt_logprobs=2)
     with LLM(model="k2-tiny", **SPEC) as llm:
-        in_process = [o.outputs[0] for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)]
+        in_process_outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)
+    in_process = [o.outputs[0] for o in in_process_outs]
     free = ray.available_resources().get("CPU", 0)
     with LLM(model="k2-tiny", **SPEC, tp=tp, distributed="ray") as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         assert tokens(outs) == reference
-        on_ray = [o.outputs[0] for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)]
+        on_ray_outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)
+        on_ray = [o.outputs[0] for o in on_ray_outs]
         assert [c.token_ids for c in on_ray] == [c.token_ids for c in in_process]
         assert [list(d) for c in on_ray for d in c.logprobs] == [list(d) for c in in_process for d in c.logprobs]
         assert [c.cumulative_logprob for c in on_ray] == pytest.approx([c.cumulative_logprob for c in in_process],
                                                                         abs=1e-3)
+        for a, b in zip(on_ray_outs, in_process_outs):  # the prompts' log-probabilities come back from the prefill
+            assert [list(d or ()) for d in a.prompt_logprobs] == [list(d or ()) for d in b.prompt_logprobs]
         pg = llm.engine.runner.actors.placement_group
     # Every stage is timed under its own name on Ray too: the drafter's draft and build, the shards' rest.
     assert all(outs[0].metrics["seconds"][stage] > 0 for stage in ("draft", "build", "verify", "accept", "commit"))

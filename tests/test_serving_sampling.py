@@ -1,6 +1,7 @@
 """The sampling fields that change the target's distribution, and log-probabilities, through the OpenAI handlers
 in-process (the K2-layout chat checkpoint of tests/k2_chat.py on an AR engine): each field's bounds answer a 400
-naming it, and logprobs come in OpenAI's shapes, streamed and not, equal to the engine's."""
+naming it, and logprobs come in OpenAI's shapes, streamed and not, equal to the engine's (with echo, the prompt's
+first)."""
 import asyncio
 import json
 import math
@@ -8,7 +9,8 @@ import math
 import pytest
 from k2_chat import GREETING, make_k2_chat_checkpoint
 
-from kdray import LLM
+from kdray import LLM, SamplingParams
+from kdray.engine.request import RequestOutput
 from kdray.serve.async_engine import AsyncEngine
 from kdray.serve.metrics import Metrics
 from kdray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
@@ -50,7 +52,9 @@ def call(serving: OpenAIServing, route: str, body: dict):
     (CompletionRequest, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 items"),
     (CompletionRequest, {"logprobs": 21}, "logprobs", "less than or equal to 20"),
     (CompletionRequest, {"logprobs": True}, "logprobs", "valid integer"),
-    (CompletionRequest, {"echo": True, "logprobs": 1}, "logprobs", "the prompt's log-probabilities"),
+    (CompletionRequest, {"max_tokens": 0}, "max_tokens", "needs echo: true"),
+    (CompletionRequest, {"max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
+    (ChatCompletionRequest, {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     (CompletionRequest, {"top_logprobs": 2}, "top_logprobs", "kdray does not implement this field"),
     (ChatCompletionRequest, {"logprobs": 2}, "logprobs", "valid boolean"),
     (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
@@ -79,21 +83,23 @@ def test_min_tokens_outlasts_eos(serving):
     assert longer["choices"][0]["text"].startswith(plain["choices"][0]["text"])
 
 
-def engine_logprobs(serving, prompt_ids: list[int], k: int) -> tuple[list[int], list[dict]]:
-    """The engine's own tokens and log-probabilities for the same request."""
-    from kdray import SamplingParams
-
-    engine = serving.engine.engine
+def engine_output(serving, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    """The engine's own final output for the same request."""
     done = []
 
     async def go():
-        stream = await serving.engine.generate([("ref", prompt_ids, SamplingParams(max_tokens=4, logprobs=k,
-                                                                                     temperature=1.0, seed=3))])
+        stream = await serving.engine.generate([("ref", prompt_ids, params)])
         done.extend([out async for out in stream])
 
     asyncio.run(go())
-    assert engine.vocab_size == 1024
-    c = done[-1].outputs[0]
+    return done[-1]
+
+
+def engine_logprobs(serving, prompt_ids: list[int], k: int) -> tuple[list[int], list[dict]]:
+    """The engine's own tokens and log-probabilities for the same request."""
+    out = engine_output(serving, prompt_ids, SamplingParams(max_tokens=4, logprobs=k, temperature=1.0, seed=3))
+    assert serving.engine.engine.vocab_size == 1024
+    c = out.outputs[0]
     assert math.isclose(c.cumulative_logprob, sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
     return c.token_ids, c.logprobs
 
@@ -149,3 +155,55 @@ def test_without_logprobs_the_field_is_null(serving):
     answer = call(serving, "completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 0})
     lp = answer["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 2 and all(len(top) == 1 for top in lp["top_logprobs"])  # the emitted token alone
+
+
+def joined(chunks: list[dict]) -> dict:
+    """The completions log-probabilities of streamed chunks, joined."""
+    return {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_before_the_output(serving, stream):
+    """OpenAI's legacy shape (vLLM's too): the prompt's tokens lead, the first with null log-probabilities, then the
+    output's; the values are the engine's prompt_logprobs; streamed, the first chunk carries the prompt part."""
+    body = {"prompt": "Paris" + PROMPT, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0,
+            "stream": stream}
+    answer = call(serving, "completions", body)
+    tok = serving.tokenizer
+    prompt_ids = tok.encode(body["prompt"])
+    ref = engine_output(serving, prompt_ids, SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=2))
+    if stream:
+        chunks = [c["choices"][0] for c in answer if c["choices"]]
+        assert chunks[0]["text"] == body["prompt"]
+        assert chunks[0]["logprobs"]["tokens"] == [tok.decode([t]) for t in prompt_ids]
+        lp, text = joined(chunks), "".join(c["text"] for c in chunks)
+    else:
+        lp, text = answer["choices"][0]["logprobs"], answer["choices"][0]["text"]
+    c = ref.outputs[0]
+    ids, found = prompt_ids + c.token_ids, ref.prompt_logprobs + c.logprobs
+    assert len(prompt_ids) > 3 and len(c.token_ids) == 3 and text == body["prompt"] + c.text
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([d[t].logprob for t, d in zip(ids[1:], found[1:])])
+    assert lp["text_offset"] == [sum(len(s) for s in lp["tokens"][:i]) for i in range(len(ids))]
+    for top, t, d in zip(lp["top_logprobs"][1:], ids[1:], found[1:]):  # the top 2, and the scored token
+        assert top == pytest.approx({tok.decode([u]): x.logprob for u, x in d.items() if x.rank <= 2 or u == t})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_answers_the_prompt_alone(serving, stream):
+    body = {"prompt": "Paris" + PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0, "stream": stream,
+            "return_token_ids": True, **({"stream_options": {"include_usage": True}} if stream else {})}
+    answer = call(serving, "completions", body)
+    if stream:
+        chunks = [c["choices"][0] for c in answer if c["choices"]]
+        lp, text, used = joined(chunks), "".join(c["text"] for c in chunks), answer[-1]["usage"]
+        ids, finish = [t for c in chunks for t in c["token_ids"]], chunks[-1]["finish_reason"]
+    else:
+        choice, used = answer["choices"][0], answer["usage"]
+        lp, text, ids, finish = choice["logprobs"], choice["text"], choice["token_ids"], choice["finish_reason"]
+    prompt_ids = serving.tokenizer.encode(body["prompt"])
+    assert (text, ids, finish, used["completion_tokens"]) == (body["prompt"], [], "length", 0)
+    assert len(lp["tokens"]) == len(prompt_ids) == used["prompt_tokens"] and lp["token_logprobs"][0] is None
+    assert all(v is not None for v in lp["token_logprobs"][1:])

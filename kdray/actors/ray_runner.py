@@ -299,7 +299,7 @@ class RayRunner:
 
         def result() -> StepResult:
             reply = wait()[0]
-            return first_tokens(reply["tokens"], *(reply["logprobs"] or ()))
+            return first_tokens(reply["tokens"], *(reply["logprobs"] or ()), scored=[len(s) for s in batch.scored])
 
         return Pending(result)
 

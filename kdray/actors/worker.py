@@ -5,16 +5,16 @@ A step plan (msgpack) is ``{"op", ...}``:
 
 - ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts`` (the chunks),
   ``starts``, ``pages``, ``sampling`` = each request's ``SamplingParams`` fields as a dict, ``seeds``, ``last``,
-  ``roots``, ``prompt_lens``, ``bans``, ``histories``);
+  ``roots``, ``prompt_lens``, ``bans``, ``histories``, ``scored``);
 - ``step``: the ``slots``, ``nodes`` and grown ``pages`` of a :class:`~kdray.engine.step.StepBatch` (each actor
   keeps every slot's state);
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
-Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}``, ``step`` with ``{"tokens", "seconds", "logprobs"}``;
-the drafter answers ``step`` with ``{"seconds", "masses"}`` (its stages, and its trees' masses for
-``budget="auto"``); other actors answer nothing unless they fail (``{"error": traceback}``). The loop ends when the
-engine closes the channel.
+Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}`` (the first tokens', then the scored prompt tokens'),
+``step`` with ``{"tokens", "seconds", "logprobs"}``; the drafter answers ``step`` with ``{"seconds", "masses"}`` (its
+stages, and its trees' masses for ``budget="auto"``); other actors answer nothing unless they fail
+(``{"error": traceback}``). The loop ends when the engine closes the channel.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def prefill_batch(plan: dict) -> PrefillBatch:
     params = [SamplingParams(**{**p, "logit_bias": p["logit_bias"] and dict(p["logit_bias"])})
               for p in plan["sampling"]]
     return PrefillBatch(plan["slots"], plan["prompts"], plan["starts"], plan["pages"], params, plan["seeds"],
-                        plan["last"], plan["roots"], plan["prompt_lens"], plan["bans"], plan["histories"])
+                        plan["last"], plan["roots"], plan["prompt_lens"], plan["bans"], plan["histories"],
+                        plan["scored"])
 
 
 def prefill_plan(batch: PrefillBatch) -> dict:
@@ -60,7 +61,8 @@ def prefill_plan(batch: PrefillBatch) -> dict:
     sampling = [{**vars(p), "logit_bias": p.logit_bias and list(p.logit_bias.items())} for p in batch.params]
     return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "starts": batch.starts,
             "pages": batch.pages, "sampling": sampling, "seeds": batch.seeds, "last": batch.last,
-            "roots": batch.roots, "prompt_lens": batch.prompt_lens, "bans": batch.bans, "histories": batch.histories}
+            "roots": batch.roots, "prompt_lens": batch.prompt_lens, "bans": batch.bans, "histories": batch.histories,
+            "scored": batch.scored}
 
 
 class Worker(ABC):

@@ -90,7 +90,7 @@ def warm_prefill(runner, layout: EngineLayout):
     for size, start in [(layout.page_size, 0)] + [(n, s) for n in buckets for s in (0, layout.page_size)]:
         batch = PrefillBatch(slots=[layout.num_slots], prompts=[[0] * size], starts=[start], pages=[[scratch_page]],
                              params=[SamplingParams()], seeds=[0], last=[True], roots=[None],
-                             prompt_lens=[start + size], bans=[[]], histories=[None])
+                             prompt_lens=[start + size], bans=[[]], histories=[None], scored=[[]])
         runner.prefill(batch).result()
 
 

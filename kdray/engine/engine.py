@@ -38,6 +38,7 @@ class _Launch:
     nodes: int = 0
     at: float = 0.0  # perf_counter when launched
     last: list[bool] | None = None  # prefill: which chunks end their context
+    starts: list[int] | None = None  # prefill: where each chunk starts
 
 
 class Engine:
@@ -157,10 +158,12 @@ class Engine:
                 roots=[s.output_ids[-1] if s.output_ids else None for s in seqs],
                 prompt_lens=[len(s.prompt_ids) for s in seqs], bans=[self._ban(s.params) for s in seqs],
                 histories=[s.context_ids if b == s.prefill_len and "penalties" in s.params.features else None
-                           for s, _, b in chunks])
+                           for s, _, b in chunks],
+                scored=[s.prompt_ids[a + 1:b + 1] if s.scores_prompt else [] for s, a, b in chunks])
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
-            launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last))
+            launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last,
+                                    starts=prefill.starts))
         if batch:
             grown = {s.slot: list(s.pages) for s in batch if len(s.pages) != s.pages_sent}
             for seq in batch:
@@ -181,21 +184,25 @@ class Engine:
             result = launch.pending.result()
             tokens, masses = result.tokens, result.masses or [None] * len(result.tokens)
             logprobs = result.logprobs or [None] * len(tokens)
+            scores = result.prompt_logprobs or [None] * len(tokens)
             if not launch.prefill:
                 share = {k: v / len(launch.seqs) for k, v in result.seconds.items()}
                 if self.policy is not None:
                     self.policy.observe(launch.nodes, result.masses, [len(t) for t in tokens], len(launch.seqs),
                                         sum(result.seconds.values()) or None, now - launch.at if now else None)
-            for i, (seq, toks, mass, lps) in enumerate(zip(launch.seqs, tokens, masses, logprobs)):
+            for i, (seq, toks, mass, lps, scored) in enumerate(zip(launch.seqs, tokens, masses, logprobs, scores)):
                 seq.inflight -= 1
                 if seq.finished or seq.preempted:
                     pass
                 elif not launch.prefill:
                     self._advance(seq, toks, share, launch.nodes, mass, lps)
                     touched.append(seq)
-                elif launch.last[i]:
-                    self._prefilled(seq, toks, lps)
-                    touched.append(seq)
+                else:
+                    if scored:
+                        self._score_prompt(seq, launch.starts[i], scored)
+                    if launch.last[i]:
+                        self._prefilled(seq, toks, lps)
+                        touched.append(seq)
                 if (seq.finished or seq.preempted) and seq.inflight == 0:
                     self._retire(seq)
         return list({id(s): s for s in touched}.values())  # a request prefilled and stepped: once
@@ -205,6 +212,13 @@ class Engine:
         self.scheduler.release(seq)
         if seq.finished and self._seqs.get(seq.request_id) is seq:
             del self._seqs[seq.request_id]
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, start: int, scored: list):
+        """A chunk's prompt log-probabilities (values, ids per token): those of the prompt tokens from ``start + 1``
+        on, each given the tokens before it (a chunk sent again after a preemption replaces what it sent)."""
+        k, after = seq.params.prompt_logprobs, seq.prompt_ids[start + 1:]
+        seq.prompt_logprobs[start + 1:] = [_logprobs(t, values, ids, k) for t, (values, ids) in zip(after, scored)]
 
     def _prefilled(self, seq: Sequence, first: list[int], logprobs: list | None):
         """A context's last chunk is in: its KV is cached; a new request emits its first token (a resumed one chose
@@ -278,16 +292,18 @@ class Engine:
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The request's output (its prompt log-probabilities are all in once it has any: shared, never changed)."""
         asked = seq.params.logprobs is not None
         return RequestOutput(seq.request_id, seq.prompt_ids,
                              [CompletionOutput(0, seq.text, list(seq.output_ids), seq.finish_reason,
                                                seq.cumulative_logprob if asked else None,
                                                list(seq.logprobs) if asked else None)],
-                             seq.finished, seq.metrics())
+                             seq.finished, seq.metrics(),
+                             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
 
 
 def _logprobs(token: int, values: list[float], ids: list[int], k: int) -> dict[int, Logprob]:
-    """One emitted token's ``{token id: Logprob}``: the token first, then the top ``k`` (from
+    """One emitted (or prompt) token's ``{token id: Logprob}``: the token first, then the top ``k`` (from
     :func:`kdray.spec.logprobs.token_logprobs`'s values and ids). The token's rank is its place in that top list
     when it is there (ties are ordered as the list orders them), else after it."""
     top = ids[1:]

@@ -31,7 +31,8 @@ class SamplingParams:
     ``frequency_penalty`` and ``presence_penalty`` (over the output: ``count * frequency + (count > 0) * presence``
     subtracted); then temperature, ``min_p`` (tokens below ``min_p`` times the likeliest's probability dropped), top-k
     and top-p. ``logprobs`` = k reports each emitted token's log-probability and the k likeliest (see
-    :class:`Logprob`)."""
+    :class:`Logprob`); ``prompt_logprobs`` = k the same for every prompt token after the first, given the tokens
+    before it (the prompt is then prefilled whole, never from the prefix cache)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -49,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -68,6 +70,8 @@ class SamplingParams:
              "repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it)"),
             (self.logprobs is None or _whole(self.logprobs, 0, MAX_LOGPROBS), "logprobs",
              f"None or an integer in [0, {MAX_LOGPROBS}] (the top alternatives reported beside each token)"),
+            (self.prompt_logprobs is None or _whole(self.prompt_logprobs, 0, MAX_LOGPROBS), "prompt_logprobs",
+             f"None or an integer in [0, {MAX_LOGPROBS}] (the top alternatives reported beside each prompt token)"),
         ]
         for ok, name, what in checks:
             if not ok:
@@ -144,7 +148,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One request's state: its prompt (``prompt`` is the text, None when it was given as token ids), its samples,
-    whether it finished, and its metrics."""
+    whether it finished, and its metrics. With ``SamplingParams.prompt_logprobs`` = k, ``prompt_logprobs`` holds per
+    prompt token None for the first (nothing comes before it), then ``{token id: Logprob}`` as
+    ``CompletionOutput.logprobs`` does (the prompt token, then the k likeliest at its place); else it is None."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -152,3 +158,4 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

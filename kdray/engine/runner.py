@@ -13,6 +13,7 @@ Ray a shard's runner verifies, accepts and commits, and the drafter actor's runn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -28,7 +29,7 @@ from kdray.model.batch import ForwardBatch, causal_tree_mask, pack_bits, uniform
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
-from kdray.spec.logprobs import token_logprobs
+from kdray.spec.logprobs import head_logprobs, token_logprobs
 from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
@@ -218,7 +219,8 @@ class Prefilled:
     features: torch.Tensor | None  # [T, F]: the prompts' context features for the drafter
     positions: torch.Tensor  # [T] int64
     cache_rows: torch.Tensor  # [T] int64: flat cache rows of the prompt tokens
-    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # the first tokens' (values, ids) [B, 1+K], if asked
+    # where asked: (values, ids) [B + S, 1+K], the first tokens' then the S scored prompt tokens' (prompt_logprobs)
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -273,17 +275,18 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, batch: PrefillBatch) -> Pending[StepResult]:
         """In-process prefill: the prompts, then their features into the drafter's context -> the first tokens
-        (one per sequence, with their log-probabilities where asked), on their way to the host."""
+        (one per sequence, with their log-probabilities and the prompts' where asked), on their way to the host."""
         done = self.run_prompts(batch, self._prompt_graphs)
         if done.features is not None:
             self.add_context(done.features, done.positions, done.cache_rows)
-        values = [done.first, *(done.logprobs or ())]
-        return self._to_host(values, lambda host, _: first_tokens(*host))
+        values, scored = [done.first, *(done.logprobs or ())], [len(s) for s in batch.scored]
+        return self._to_host(values, lambda host, _: first_tokens(*host, scored=scored))
 
     def run_prompts(self, batch: PrefillBatch, graphs: GraphedFn | None = None) -> Prefilled:
         """Record the sequences' slots, run their context chunks (after their cached tokens), cache the KV; at a
         context's last chunk, start the slot at its first token (the one chosen here, or the given root). With
-        ``graphs``, a lone chunk that fits a prompt bucket replays its forward from them."""
+        ``graphs``, a lone chunk that fits a prompt bucket replays its forward from them, unless the batch scores
+        prompt tokens (``prompt_logprobs``: those run eagerly)."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         ids = torch.tensor([t for p in batch.prompts for t in p], dtype=torch.int64, device=self.device)
@@ -293,7 +296,11 @@ class ModelRunner:
         mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
         fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
         last = fb.cu_q[1:].long() - 1  # [B]
-        logits, features = self.forward_prompts(fb, batch.starts, last, graphs)  # [B, V], [T, F] or None
+        scores = None
+        if any(batch.scored):
+            logits, features, scores = self.score_prompts(fb, last, lens, batch.scored)
+        else:
+            logits, features = self.forward_prompts(fb, batch.starts, last, graphs)  # [B, V], [T, F] or None
         extras = self.slots.extras(batch.slots)
         inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots), extras)
         changes = self.slots.transforms(idx, positions[last], extras)
@@ -303,8 +310,24 @@ class ModelRunner:
         first = torch.where(given >= 0, given, first)  # [B]
         done = torch.tensor(batch.last, device=self.device)
         self.slots.start(idx[done], first[done], positions[last][done] + 1)
-        logprobs = token_logprobs(logits, first, MAX_LOGPROBS) if "logprobs" in extras else None
+        logprobs = None
+        if "logprobs" in extras or scores is not None:
+            logprobs = token_logprobs(logits, first, MAX_LOGPROBS)  # [B, 1+K] each
+            if scores is not None:
+                logprobs = tuple(torch.cat(pair) for pair in zip(logprobs, scores))  # [B + S, 1+K] each
         return Prefilled(first, features, positions, fb.slot_mapping, logprobs)
+
+    def score_prompts(self, fb: ForwardBatch, last: torch.Tensor, lens: list[int], scored: list[list[int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+        """The target over the chunks of ``fb`` (``lens`` tokens each), eagerly -> (the logits at rows ``last [B]``:
+        ``[B, V]``, the context features ``[T, F]`` or None, the log-probabilities (values, ids) ``[S, 1+K]`` of the
+        ``scored`` tokens: per chunk, the prompt token after each of its first positions, S in all)."""
+        hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)  # [T, H]
+        rows = [start + j for start, s in zip(accumulate(lens, initial=0), scored) for j in range(len(s))]
+        rows = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
+        tokens = torch.tensor([t for s in scored for t in s], dtype=torch.int64, device=self.device)  # [S]
+        head = self.target.model.logits
+        return head(hidden[last]), features, head_logprobs(head, hidden[rows], tokens, MAX_LOGPROBS)
 
     def forward_prompts(self, fb: ForwardBatch, starts: list[int], last: torch.Tensor, graphs: GraphedFn | None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:

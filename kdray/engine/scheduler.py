@@ -51,7 +51,8 @@ class Scheduler:
             context = seq.context_ids
             full = (len(context) - 1) // self.page_size  # the last context token is always run: its logits
             extend_keys(seq.keys, context, self.page_size, full)
-            cached = self.pool.match(seq.keys[:full])
+            looked = 0 if seq.scores_prompt else full  # a prompt to score runs whole: cached pages have no logits
+            cached = self.pool.match(seq.keys[:looked])
             need = self.pages_to_start(seq) - len(cached)
             reserve = self.watermark if self.running else 0
             if need + reserve > self.pool.free_pages():
@@ -59,7 +60,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.pool.prefix_caching:  # counted once a request is admitted, not at every try before
-                self.prefix_lookups, self.prefix_hits = self.prefix_lookups + full, self.prefix_hits + len(cached)
+                self.prefix_lookups, self.prefix_hits = self.prefix_lookups + looked, self.prefix_hits + len(cached)
             seq.pages, seq.slot = cached + self.pool.allocate(need), self._free_slots.pop()
             seq.prefill_len, seq.prefilled, seq.registered = len(context), len(cached) * self.page_size, len(cached)
             self.running.append(seq)

@@ -39,6 +39,7 @@ class Sequence:
     text: str = ""
     logprobs: list = field(default_factory=list)  # per output token {token id: Logprob}, when the request asks
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list = field(default_factory=lambda: [None])  # per prompt token scored so far (prompt_logprobs)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -52,6 +53,11 @@ class Sequence:
     def context_ids(self) -> list[int]:
         """The tokens a prefill runs: the prompt and, after a preemption, the output but its last (the bonus)."""
         return self.prompt_ids + self.output_ids[:-1]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's log-probabilities are asked and not all in: its prefill scores every prompt token."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

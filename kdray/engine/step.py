@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Generic, TypeVar
 
 import torch
@@ -47,6 +48,8 @@ class PrefillBatch:
     prompt_lens: list[int]  # each request's prompt (the context may hold output too, after a preemption)
     bans: list[list[int]]  # the tokens masked until min_tokens are out (EOS and stop_token_ids; [] without)
     histories: list[list[int] | None]  # a last chunk of a penalised request: its whole context (else None)
+    # prompt_logprobs: the prompt tokens after the chunk's first positions, one each, that they score (else [])
+    scored: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -147,14 +150,20 @@ class StepResult:
     seconds: dict[str, float]  # per stage, for the whole batch
     masses: list | None = None  # budget="auto": per sequence, its tree's mass per candidate width and depth
     logprobs: list | None = None  # asked for: per sequence, per emitted token, (values, ids) (unpack_logprobs)
+    prompt_logprobs: list | None = None  # a prefill's: per sequence, per prompt token it scored, (values, ids)
 
 
-def first_tokens(first: list[int], values: list | None = None, ids: list | None = None) -> StepResult:
-    """A prefill's result from host copies: each sequence's first token, and its (values, ids) ``[B, 1+K]`` of
-    log-probabilities when asked."""
-    tokens = [[t] for t in first]
-    return StepResult(tokens, {}, logprobs=None if values is None else unpack_logprobs(
-        [[v] for v in values], [[i] for i in ids], tokens))
+def first_tokens(first: list[int], values: list | None = None, ids: list | None = None,
+                 scored: list[int] = ()) -> StepResult:
+    """A prefill's result from host copies: each sequence's first token and, when log-probabilities are asked,
+    (values, ids) ``[B + S, 1+K]``: the first tokens', then the prompt tokens' that the chunks scored (``scored``:
+    how many per sequence, S in all)."""
+    tokens, B = [[t] for t in first], len(first)
+    if values is None:
+        return StepResult(tokens, {})
+    ends = list(accumulate(scored, initial=B))
+    return StepResult(tokens, {}, logprobs=unpack_logprobs([[v] for v in values[:B]], [[i] for i in ids[:B]], tokens),
+                      prompt_logprobs=[list(zip(values[a:b], ids[a:b])) for a, b in zip(ends, ends[1:])] or None)
 
 
 class StageTimer:

@@ -216,12 +216,18 @@ class GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def reported_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine reports (None: the prompt is not scored)."""
+        return None
+
 
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
 
     prompt: list[str | list[int]]
-    echo: bool = False  # the prompt's text before each choice's
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # 0 (with echo): the prompt alone (vLLM's)
+    echo: bool = False  # the prompt's text before each choice's (with logprobs, its tokens' log-probabilities too)
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the top alternatives reported beside each token
 
@@ -230,11 +236,16 @@ class CompletionRequest(GenerationRequest):
         """Alternatives per token the engine reports (None: no log-probabilities)."""
         return self.logprobs
 
+    @property
+    def reported_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine reports: echo with logprobs scores the prompt."""
+        return self.logprobs if self.echo else None
+
     @model_validator(mode="after")
-    def _echo_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise FieldError(("logprobs",), "with echo would report the prompt's log-probabilities, which kdray does "
-                                            "not compute; leave out echo or logprobs")
+    def _prompt_alone(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError(("max_tokens",), "0 answers the prompt alone, which needs echo: true; ask for at least "
+                                              "1 token or send echo")
         return self
 
     @field_validator("prompt", mode="before")

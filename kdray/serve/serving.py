@@ -11,11 +11,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kdray.actors.channel import WorkerFailure
 from kdray.engine.engine import RunnerFailure
-from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from kdray.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from kdray.model.tokenizer import ChatTemplateError
 from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, QueueFull, RequestStream
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
@@ -182,8 +182,8 @@ class OpenAIServing:
             if req.min_tokens > max_tokens:
                 raise APIError(400, f"min_tokens: {req.min_tokens} is more than max_tokens ({max_tokens}); lower it",
                                param="min_tokens")
-            for j in range(req.n):
-                params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            for j in range(req.n):  # max_tokens 0 (echo): the prefill's token is drawn, then dropped (as vLLM)
+                params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,
                                         top_k=max(req.top_k, 0), seed=None if req.seed is None else req.seed + j,
                                         stop=req.stop, stop_token_ids=req.stop_token_ids,
                                         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -191,7 +191,7 @@ class OpenAIServing:
                                         presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
                                         repetition_penalty=req.repetition_penalty, logit_bias=req.token_bias,
-                                        logprobs=req.reported_logprobs)
+                                        logprobs=req.reported_logprobs, prompt_logprobs=req.reported_prompt_logprobs)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
         response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools,
                              self._token_text)
@@ -222,6 +222,7 @@ class _Sent:
     ids: int = 0
     calls: list[list] = field(default_factory=list)  # [id, characters of arguments sent]
     offset: int = 0  # characters of the tokens whose log-probabilities are sent (completions' text_offset)
+    echoed: bool = False  # the prompt's text (and log-probabilities) sent
 
 
 class _Response:
@@ -235,6 +236,7 @@ class _Response:
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
         self.hold = max(map(len, req.stop), default=1) - 1  # text that may yet turn out to start a stop string
         self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
+        self.generates = req.max_tokens != 0  # 0 (echo): the prompt alone
         self.tools = tools
         self.max_calls = None if getattr(req, "parallel_tool_calls", True) else 1
         self.created = int(time.time())
@@ -270,19 +272,31 @@ class _Response:
         done = [call for call in calls if call.complete]
         return (reply.content, done, "tool_calls") if done else (c.text, [], c.finish_reason)
 
+    def _sample(self, out: RequestOutput) -> CompletionOutput:
+        """A choice's sample as answered: with ``max_tokens`` 0, none of it (the token the engine drew is dropped)."""
+        c = out.outputs[0]
+        return c if self.generates else replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                                logprobs=None if c.logprobs is None else [])
+
+    def _echoed(self, out: RequestOutput) -> tuple[list[int], list]:
+        """The prompt's tokens and log-probabilities that lead a choice's (echo with logprobs), else none."""
+        return (out.prompt_token_ids, out.prompt_logprobs) if self.echo and self.top is not None else ([], [])
+
     def body(self, outputs: list[RequestOutput]) -> dict:
-        choices = []
+        choices, generated = [], 0
         for index, out in enumerate(outputs):
-            c = out.outputs[0]
+            c = self._sample(out)
+            generated += len(c.token_ids)
             text, calls, finish = self._reply(c, finished=True)
             if self.echo:
                 text = self.echo[index] + text
             tool_calls = [_tool_call(call, call.id or _call_id()) for call in calls]
+            ids, found = self._echoed(out)
+            logprobs = self._logprobs(ids + c.token_ids, found + (c.logprobs or []), _Sent())
             choices.append(self._choice(index, (text or None) if calls else text, c.token_ids, finish, False,
-                                        tool_calls, self._logprobs(c, 0, _Sent())))
+                                        tool_calls, logprobs))
             if self.token_ids:
                 choices[-1]["prompt_token_ids"] = out.prompt_token_ids
-        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage(self.prompt_tokens, generated)}
 
@@ -311,14 +325,17 @@ class _Response:
                 deltas.append({"index": i, "function": {"arguments": arguments}})
         return text, deltas, finish
 
-    def _logprobs(self, c: CompletionOutput, start: int, sent: _Sent) -> dict | None:
-        """The log-probabilities of a choice's tokens from ``start`` on in OpenAI's shape (None when not asked):
-        completions' ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``sent.offset`` advanced), chat's
-        ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
+    def _logprobs(self, tokens: list[int], logprobs: list[dict[int, Logprob] | None], sent: _Sent) -> dict | None:
+        """The log-probabilities of ``tokens`` (each one's ``{token id: Logprob}``; None for a prompt's first, which
+        has none) in OpenAI's shape (None when not asked): completions' ``{tokens, token_logprobs, top_logprobs,
+        text_offset}`` (``sent.offset`` advanced), chat's ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
         if self.top is None:
             return None
         rows = []  # per token: its text, its logprob and its top alternatives [(text, logprob)], best first
-        for token, found in zip(c.token_ids[start:], c.logprobs[start:]):
+        for token, found in zip(tokens, logprobs):
+            if found is None:  # the prompt's first token: null, as OpenAI answers
+                rows.append((self.token_text(token), None, None))
+                continue
             top = sorted((lp.rank, t, lp.logprob) for t, lp in found.items()  # completions: the token's too
                          if lp.rank <= self.top or (t == token and not self.chat))
             rows.append((self.token_text(token), _finite(found[token].logprob),
@@ -331,10 +348,11 @@ class _Response:
             offsets.append(sent.offset)
             sent.offset += len(text)
         return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-                "top_logprobs": [dict(r[2]) for r in rows], "text_offset": offsets}
+                "top_logprobs": [None if r[2] is None else dict(r[2]) for r in rows], "text_offset": offsets}
 
     async def sse(self, stream: RequestStream) -> AsyncIterator[str]:
-        """SSE text: per choice, the role first (chat) or the echoed prompt, then deltas, then the finish reason."""
+        """SSE text: per choice, the role first (chat) or, with its first output, the echoed prompt (and its
+        log-probabilities), then deltas, then the finish reason."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         sent = [_Sent() for _ in range(self.choices)]
         try:
@@ -343,14 +361,17 @@ class _Response:
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
                     yield sse({**self._head(obj), "choices": [first]})
-                elif self.echo:
-                    yield sse({**self._head(obj), "choices": [self._choice(index, self.echo[index], [], None, True)]})
             async for out in stream:
                 index = int(out.request_id.rsplit("-", 1)[1])
-                c = out.outputs[0]
+                if self.echo and not sent[index].echoed:
+                    sent[index].echoed = True
+                    logprobs = self._logprobs(*self._echoed(out), sent[index])
+                    choice = self._choice(index, self.echo[index], [], None, True, logprobs=logprobs)
+                    yield sse({**self._head(obj), "choices": [choice]})
+                c = self._sample(out)
                 text, tool_calls, finish = self._delta(c, out.finished, sent[index])
                 ids = c.token_ids[sent[index].ids:]
-                logprobs = self._logprobs(c, sent[index].ids, sent[index])
+                logprobs = self._logprobs(ids, (c.logprobs or [])[sent[index].ids:], sent[index])
                 sent[index].ids = len(c.token_ids)
                 if text or ids or tool_calls or finish:
                     choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs)
