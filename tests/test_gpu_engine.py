@@ -236,3 +236,21 @@ def test_bf16_fields_with_cuda_graphs_equal_ar():
              block_size=16, cuda_graphs=True)
     assert tokens(dd.generate(prompt_token_ids=PROMPTS, sampling_params=params)) == \
         tokens(ar.generate(prompt_token_ids=PROMPTS, sampling_params=params))
+
+
+def test_prompt_logprobs_on_the_gpu_equal_the_cpu_reference():
+    """fp32: the prompt's scores from the GPU's eager scoring pass (in chunks, a cached prefix recomputed) equal the
+    CPU's, and the plain request beside them keeps its graphed prefill's tokens."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    cpu = LLM(model="k2-tiny", device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    gpu = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
+              block_size=4, cuda_graphs=True, prefill_chunk=16)
+    plain = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = gpu.generate(prompt_token_ids=PROMPTS + PROMPTS[:1], sampling_params=[params] * len(PROMPTS) + [plain])
+    assert tokens(outs[:-1]) == tokens(cpu)
+    for g, c in zip(outs, cpu):
+        assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(c.prompt_logprobs)
+        for dg, dc in zip(g.prompt_logprobs[1:], c.prompt_logprobs[1:]):
+            assert list(dg) == list(dc)
+            assert [v.logprob for v in dg.values()] == pytest.approx([v.logprob for v in dc.values()], abs=1e-4)
+    assert outs[-1].prompt_logprobs is None
