@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kdray.engine.request import SamplingParams
+from kdray.spec.grammar import GrammarState
 from kdray.spec.sampling import RowParams
 
 STAGES = ("draft", "build", "verify", "accept", "commit")
@@ -47,6 +48,7 @@ class PrefillBatch:
     prompt_lens: list[int]  # each request's prompt (the context may hold output too, after a preemption)
     bans: list[list[int]]  # the tokens masked until min_tokens are out (EOS and stop_token_ids; [] without)
     histories: list[list[int] | None]  # a last chunk of a penalised request: its whole context (else None)
+    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one (in-process only)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StepBatch:
     slots: list[int]
     nodes: int
     pages: dict[int, list[int]] = field(default_factory=dict)  # slot -> its pages, where they grew since last sent
+    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one (in-process only)
 
 
 @dataclass
@@ -70,6 +73,7 @@ class StepInputs:
     block_table: torch.Tensor  # [B, max_pages] int32
     params: RowParams  # one row per sequence
     extras: tuple[str, ...] = ()  # the request features (:data:`~kdray.engine.request.FEATURES`) the batch uses
+    allowed: torch.Tensor | None = None  # [B * (1+N), ceil(V/32)] int32: per tree node the tokens its grammar allows
 
 
 @dataclass
