@@ -127,7 +127,8 @@ class Engine:
         """Launch the next step on the device, then apply the one before it while this one runs: the host is one
         step behind. Prefill what the scheduler admits, step what runs, report every request that emitted tokens
         or finished. Tokens a request produced after its end (found one step late) are discarded; its pages come
-        back once no step in flight can write them.
+        back once no step in flight can write them. A request with a grammar masks its next step by its tokens so far,
+        so while one is in flight the step before is applied first (that step pipelines nothing).
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""

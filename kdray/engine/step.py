@@ -55,7 +55,8 @@ class PrefillBatch:
 class StepBatch:
     """The slots of the sequences that take one speculative step, and the draft nodes each verifies (0: plain
     decoding). Each slot's bonus token (the tree's root) and cached length live on the device, advanced by every
-    step, so the host never has to know them to launch."""
+    step, so the host never has to know them to launch. With ``grammars`` the step runs eagerly, its trees on the
+    host between draft and verify for their masks."""
 
     slots: list[int]
     nodes: int

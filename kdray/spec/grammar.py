@@ -45,7 +45,7 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError("StructuredOutputsParams takes exactly one of json (a JSON schema), json_object=True or "
                              f"structural_tag (got {given or 'none'})")
-        checks = [(self.json is None or isinstance(self.json, (dict, str)), "json", "a JSON schema: a dict or JSON text"),
+        checks = [(self.json is None or isinstance(self.json, (dict, str)), "json", "a JSON schema (a dict or text)"),
                   (self.json_object in (None, True), "json_object", "True or None"),
                   (self.structural_tag is None or isinstance(self.structural_tag, str), "structural_tag",
                    "JSON text"),
@@ -129,16 +129,16 @@ class Grammars:
         if self.refusal is not None:
             raise ValueError(f"constrained decoding is not available here: {self.refusal}")
         compiler = self.compiler()
+        if params.json_object:
+            return compiler.compile_grammar(json_object_grammar())
         try:
             if params.json is not None:
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
                 return compiler.compile_json_schema(schema, any_whitespace=False,  # one line: ", " and ": "
                                                     strict_mode=params.disable_additional_properties)
-            if params.json_object:
-                return compiler.compile_grammar(json_object_grammar())
             return compiler.compile_structural_tag(params.structural_tag)
         except (RuntimeError, ValueError) as e:  # xgrammar's errors carry a source location first
-            what = {"json": "JSON schema", "json_object": "JSON grammar", "structural_tag": "structural tag"}
+            what = {"json": "JSON schema", "structural_tag": "structural tag"}
             reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             raise ValueError(f"the {what[params.field]} does not compile: {reason}") from None
 
