@@ -156,19 +156,17 @@ class OpenAIServing:
                            code="chat_template_error") from None
         return self.tokenizer.encode(text)
 
-    def _grammar(self, req: GenerationRequest) -> StructuredOutputsParams | None:
-        """The grammar the reply follows (``response_format``, or ``tool_choice`` forcing a call in the model's
-        tool-call format), compiled here, off the event loop: one that does not compile is a 400 naming its field,
-        and the engine finds it compiled."""
+    def _grammar(self, req: GenerationRequest) -> StructuredOutputsParams:
+        """The grammar a constrained request's reply follows (``response_format``, or ``tool_choice`` forcing a call
+        in the model's tool-call format), compiled here (run it off the event loop): one that does not compile is a
+        400 naming its field, and the engine finds it compiled."""
         if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
             functions, several = req.forced_calls()
             grammar = StructuredOutputsParams(structural_tag=self.tool_calls.grammar(
                 [(f.name, f.parameters) for f in functions], several))
             field, what = "tool_choice", "forcing a call needs the tools' parameters as a grammar, and "
-        elif req.constrained:
-            grammar, field, what = req.response_format.structured_outputs(), "response_format", ""
         else:
-            return None
+            grammar, field, what = req.response_format.structured_outputs(), "response_format", ""
         try:
             self.engine.engine.grammars.compile(grammar)
         except ValueError as e:
@@ -195,7 +193,7 @@ class OpenAIServing:
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
-        grammar = await asyncio.to_thread(self._grammar, req)
+        grammar = await asyncio.to_thread(self._grammar, req) if req.constrained else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = []
         for i, ids in enumerate(prompts):
