@@ -62,6 +62,7 @@ def changes(value, effect, base: str = "", **extra):
 
 
 IDS = token_ids()
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
 GENERATION = {  # both routes
     "max_tokens": changes(2, lambda a, b: b["usage"]["completion_tokens"] == 2),
     "model": changes("gpt-4", lambda a, b: b["error"]["param"] == "model"),
@@ -86,6 +87,9 @@ GENERATION = {  # both routes
     "min_p": changes(0.5, lambda a, b: b["choices"][0]["token_ids"] == [300] * 4 != a["choices"][0]["token_ids"],
                      "random", logit_bias={"300": 5}),
     "min_tokens": changes(8, lambda a, b: b["usage"]["completion_tokens"] == 8 > a["usage"]["completion_tokens"]),
+    # the greeting becomes JSON that follows the schema (strict: no other properties)
+    "response_format": changes({"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}},
+                               lambda a, b: json.loads(texts(b)[0]) == {"city": "Paris"}, max_tokens=24),
     **{name: metadata({"team": "a"} if name == "metadata" else "client-7") for name in METADATA_FIELDS},
 }
 FIELDS = {
@@ -107,7 +111,9 @@ FIELDS = {
                                                     for e in b["choices"][0]["logprobs"]["content"]), logprobs=True),
         "messages": changes([{"role": "user", "content": "Hi there"}], prompt_tokens_differ),
         "tools": changes(TOOLS, lambda a, b: calls(b) == ["get_weather", "get_time"], max_tokens=20),
-        "tool_choice": changes("none", lambda a, b: calls(a) and not calls(b), "tools"),
+        "tool_choice": changes({"type": "function", "function": {"name": "get_time"}},
+                               lambda a, b: calls(a) == ["get_weather", "get_time"] and calls(b) == ["get_time"],
+                               "tools"),
         "parallel_tool_calls": changes(False, lambda a, b: calls(b) == calls(a)[:1], "tools"),
         "documents": changes([{"title": "Atlas", "text": "Paris is in France."}], prompt_tokens_differ),
         "chat_template_kwargs": changes({"system_prompt": "Be brief."}, prompt_tokens_differ),
@@ -116,7 +122,7 @@ FIELDS = {
         **{name: refused(value) for name, value in {
             "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text"], "function_call": "auto",
             "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},
-            "response_format": {"type": "json_object"}, "reasoning_effort": "low", "service_tier": "auto",
+            "reasoning_effort": "low", "service_tier": "auto",
             "store": True, "verbosity": "low", "web_search_options": {}, "prompt_cache_key": "k",
             "prompt_cache_retention": "24h", "prompt_cache_options": {}, "moderation": {}}.items()},
     },

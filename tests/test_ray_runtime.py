@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
 
-from kdray import LLM, SamplingParams
+from kdray import LLM, SamplingParams, StructuredOutputsParams
 from kdray.actors.communicator import CommunicatorTimeout, GlooGroup
 from kdray.config import K2Config
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
@@ -107,6 +107,10 @@ def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp)
                                                                         abs=1e-3)
         for a, b in zip(on_ray_outs, in_process_outs):  # the prompts' log-probabilities come back from the prefill
             assert [list(d or ()) for d in a.prompt_logprobs] == [list(d or ()) for d in b.prompt_logprobs]
+        # a grammar's mask is not carried by the step plan: refused, saying so, never ignored
+        with pytest.raises(ValueError, match="structured_outputs: .*distributed='ray' does not carry"):
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(
+                structured_outputs=StructuredOutputsParams(json_object=True)))
         pg = llm.engine.runner.actors.placement_group
     # Every stage is timed under its own name on Ray too: the drafter's draft and build, the shards' rest.
     assert all(outs[0].metrics["seconds"][stage] > 0 for stage in ("draft", "build", "verify", "accept", "commit"))
@@ -152,7 +156,7 @@ def test_killed_shard_fails_its_request_clearly_and_the_next_succeeds(cluster, s
 
 TWO_CORES = """
 import json, ray
-from kdray import LLM, SamplingParams
+from kdray import LLM, SamplingParams, StructuredOutputsParams
 llm = LLM(model="k2-tiny", drafter="random", spec="ddtree", budget=16, block_size=4, num_pages=96, tp=2,
           distributed="ray", place_timeout_s=60)
 out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))

@@ -15,6 +15,12 @@ from kdray.engine.step import PrefillBatch, StepBatch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget, load_drafter, load_target, parse_dtype
 from kdray.spec.budget import BudgetPolicy
+from kdray.spec.grammar import Grammars
+
+# Why Ray engines refuse structured_outputs (one plan per step goes to the drafter and the shards at once)
+RAY_GRAMMAR_REFUSAL = ("distributed='ray' does not carry a grammar's token mask: the mask needs each step's draft tree "
+                       "on the host between draft and verify, and the actors' step plan runs both in one go; serve "
+                       "it in-process (tp=1)")
 
 
 class LocalModels:
@@ -61,8 +67,9 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
     scheduler = Scheduler(PagePool(layout.num_pages, args.page_size, args.prefix_caching), layout,
                           args.max_tokens_per_step, args.prefill_chunk or args.max_tokens_per_step)
     policy = warm_up(runner, layout)
+    grammars = Grammars(tok, cfg.vocab_size, eos, RAY_GRAMMAR_REFUSAL if args.distributed == "ray" else None)
     return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name, layout.spec.nodes,
-                  policy), facts
+                  policy, grammars=grammars), facts
 
 
 def warm_steps(runner, layout: EngineLayout, widths: list[int], repeats: int = 2) -> dict[tuple[int, int], float]:

@@ -16,6 +16,7 @@ from kdray.engine.sequence import Sequence
 from kdray.engine.step import Pending, PrefillBatch, StepBatch
 from kdray.model.tokenizer import IncrementalDetokenizer
 from kdray.spec.budget import BudgetPolicy
+from kdray.spec.grammar import Grammars, GrammarState
 
 
 class RunnerFailure(RuntimeError):
@@ -46,10 +47,13 @@ class Engine:
     speculative step for the rest, then reports every request that emitted tokens or finished."""
 
     def __init__(self, runner, scheduler: Scheduler, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], model_name: str, nodes: int, policy: BudgetPolicy | None = None):
-        """``nodes``: draft nodes per sequence per step; ``policy`` (``budget="auto"``) chooses them each step."""
+                 eos_token_ids: tuple[int, ...], model_name: str, nodes: int, policy: BudgetPolicy | None = None,
+                 grammars: Grammars | None = None):
+        """``nodes``: draft nodes per sequence per step; ``policy`` (``budget="auto"``) chooses them each step;
+        ``grammars`` compiles ``structured_outputs`` (None: refused)."""
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.nodes, self.policy = nodes, policy
+        self.grammars = grammars or Grammars(None, vocab_size, (), "this engine was built without grammars")
         self.max_model_len, self.vocab_size, self.model_name = max_model_len, vocab_size, model_name
         self.eos_token_ids = set(eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -76,9 +80,16 @@ class Engine:
         if len(self._ban(params)) > MAX_BAN:
             raise ValueError(f"min_tokens: masks the EOS ids and stop_token_ids until it is reached, at most {MAX_BAN} "
                              "of them; give fewer stop_token_ids")
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.grammars.start(params.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed,
-                       detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
+                       detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+                       grammar=grammar)
         need, have = self.scheduler.pages_at_most(seq), self.scheduler.pool.num_pages
         if need > have:
             raise ValueError(f"the request may need {need} KV pages (prompt and max_tokens); the pool has {have}: "
@@ -111,14 +122,20 @@ class Engine:
         """Launch the next step on the device, then apply the one before it while this one runs: the host is one
         step behind. Prefill what the scheduler admits, step what runs, report every request that emitted tokens
         or finished. Tokens a request produced after its end (found one step late) are discarded; its pages come
-        back once no step in flight can write them.
+        back once no step in flight can write them. A request with a grammar masks its next step by its tokens so far,
+        so while one is in flight the step before is applied first (that step pipelines nothing).
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
         try:
+            touched = []
+            if any(s.grammar is not None for launch in self._inflight for s in launch.seqs):
+                # a grammar masks a sequence's next step by the tokens of its last one: apply that first
+                previous, self._inflight = self._inflight, []
+                touched = self._collect(previous, time.perf_counter())
             launched = self._launch()
             previous, self._inflight = self._inflight, launched
-            touched = self._collect(previous, time.perf_counter())
+            touched += self._collect(previous, time.perf_counter())
         except Exception as e:  # noqa: BLE001 - one step's failure must not end the engine
             failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
             self._inflight = []
@@ -158,7 +175,7 @@ class Engine:
                 roots=[s.output_ids[-1] if s.output_ids else None for s in seqs],
                 prompt_lens=[len(s.prompt_ids) for s in seqs], bans=[self._ban(s.params) for s in seqs],
                 histories=[s.context_ids if b == s.prefill_len and "penalties" in s.params.features else None
-                           for s, _, b in chunks],
+                           for s, _, b in chunks], grammars=_grammars(seqs),
                 scored=[s.prompt_ids[a + 1:b + 1] if s.scores_prompt else [] for s, a, b in chunks])
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
@@ -168,8 +185,8 @@ class Engine:
             grown = {s.slot: list(s.pages) for s in batch if len(s.pages) != s.pages_sent}
             for seq in batch:
                 seq.pages_sent = len(seq.pages)
-            launches.append(_Launch(batch, self.runner.step(StepBatch([s.slot for s in batch], nodes, grown)),
-                                    prefill=False, nodes=nodes, at=time.perf_counter()))
+            step = StepBatch([s.slot for s in batch], nodes, grown, _grammars(batch))
+            launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter()))
         for launch in launches:
             for seq in launch.seqs:
                 seq.inflight += 1
@@ -260,6 +277,8 @@ class Engine:
         p, detok = seq.params, seq.detokenizer
         for i, t in enumerate(tokens):
             seq.output_ids.append(t)
+            if seq.grammar is not None:
+                seq.grammar.accept(t)
             if p.logprobs is not None:
                 seq.logprobs.append(_logprobs(t, *logprobs[i], p.logprobs))
                 seq.cumulative_logprob += seq.logprobs[-1][t].logprob
@@ -270,7 +289,8 @@ class Engine:
                 if p.stop and may_stop and self._cut_at_stop(seq, before):
                     seq.finish_reason = "stop"
                     return
-            if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids):
+            if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids
+                             or (seq.grammar is not None and seq.grammar.ended)):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -300,6 +320,12 @@ class Engine:
                                                list(seq.logprobs) if asked else None)],
                              seq.finished, seq.metrics(),
                              prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
+
+
+def _grammars(seqs: list[Sequence]) -> list[GrammarState | None] | None:
+    """The sequences' grammars for a batch, or None when none has one (the batch runs as it would without them)."""
+    grammars = [s.grammar for s in seqs]
+    return grammars if any(g is not None for g in grammars) else None
 
 
 def _logprobs(token: int, values: list[float], ids: list[int], k: int) -> dict[int, Logprob]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kdray.spec.grammar import StructuredOutputsParams
+
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device; the engine draws its own from 63 bits
 MAX_TOP_K = 1 << 20  # beyond any vocabulary, where top_k is the same as off
 MAX_TOKENS = 1 << 24  # beyond any context length
@@ -32,7 +34,10 @@ class SamplingParams:
     subtracted); then temperature, ``min_p`` (tokens below ``min_p`` times the likeliest's probability dropped), top-k
     and top-p. ``logprobs`` = k reports each emitted token's log-probability and the k likeliest (see
     :class:`Logprob`); ``prompt_logprobs`` = k the same for every prompt token after the first, given the tokens
-    before it (the prompt is then prefilled whole, never from the prefix cache)."""
+    before it (the prompt is then prefilled whole, never from the prefix cache). ``structured_outputs``
+    (:class:`~kdray.spec.grammar.StructuredOutputsParams`) constrains the output to a grammar (a JSON schema, any JSON
+    object, a structural tag): tokens it does not allow get no probability, and the request stops where the grammar
+    ends."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -51,6 +56,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         checks = [
@@ -93,6 +99,13 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.logit_bias[{_shown(t)}]={_shown(b)}: keys must be token ids "
                                  f"(integers in [0, 2^24)), values numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         self.logit_bias = {t: float(b) for t, b in bias.items()} or None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("SamplingParams.structured_outputs must be a kdray.StructuredOutputsParams, not "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                raise ValueError("SamplingParams.min_tokens cannot be combined with structured_outputs: the grammar "
+                                 "decides where the output ends (it may allow nothing but EOS earlier)")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ from kdray.model.batch import ForwardBatch, causal_tree_mask, pack_bits, uniform
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
+from kdray.spec.grammar import GrammarState, masked, tree_masks
 from kdray.spec.logprobs import head_logprobs, token_logprobs
 from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
@@ -304,8 +305,11 @@ class ModelRunner:
         extras = self.slots.extras(batch.slots)
         inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots), extras)
         changes = self.slots.transforms(idx, positions[last], extras)
-        first = choose_tokens(logits if changes is None else apply_transforms(logits, changes), positions[last],
-                              inputs.params)
+        chosen = logits if changes is None else apply_transforms(logits, changes)
+        if batch.grammars is not None:  # the first token follows its grammar too
+            roots = root_only_tree(torch.zeros(len(batch.slots), dtype=torch.int64))
+            chosen = masked(chosen, tree_masks(batch.grammars, roots, logits.shape[1]).to(self.device))
+        first = choose_tokens(chosen, positions[last], inputs.params)
         given = torch.tensor([-1 if r is None else r for r in batch.roots], device=self.device)
         first = torch.where(given >= 0, given, first)  # [B]
         done = torch.tensor(batch.last, device=self.device)
@@ -392,9 +396,13 @@ class ModelRunner:
         device state advanced; the tokens (and, with ``budget="auto"``, the trees' masses) on their way to the host."""
         self.slots.set_pages(batch.pages)
         start = self._mark()
-        (packed, masses, *logprobs), timer = self._run(
-            self._step_fn, self._step_graphs, self.slot_index(batch.slots), greedy=self.slots.all_greedy(batch.slots),
-            nodes=batch.nodes, extras=self.slots.extras(batch.slots))
+        idx, options = self.slot_index(batch.slots), dict(greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
+                                                          extras=self.slots.extras(batch.slots))
+        if batch.grammars is None:
+            (packed, masses, *logprobs), timer = self._run(self._step_fn, self._step_graphs, idx, **options)
+        else:  # eagerly: the trees come to the host for their grammars' masks between the halves
+            timer = self.timer()
+            packed, masses, *logprobs = self._step_fn(timer, idx, **options, grammars=batch.grammars)
         n = len(batch.slots)
         values = [t[:n] for t in (packed, masses, *logprobs) if t is not None]
 
@@ -450,9 +458,13 @@ class ModelRunner:
         timer = self.timer()
         return fn(timer, *inputs, **options), timer
 
-    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool, nodes: int, extras: tuple[str, ...]):
+    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool, nodes: int, extras: tuple[str, ...],
+                 grammars: list[GrammarState | None] | None = None):
         inputs = self.slots.inputs(idx, greedy, extras)
         tree, masses = self.propose(inputs, timer, nodes)
+        if grammars is not None:  # each node's mask after its path, counted with the tree's build
+            inputs.allowed = tree_masks(grammars, tree, self.target.model.cfg.vocab_size).to(self.device)
+            timer.end("build")
         committed = self.settle(tree, inputs, timer)
         if committed.features is not None:
             self.add_context(committed.features.flatten(0, 1), *self.path_rows(inputs))
@@ -542,6 +554,8 @@ class ModelRunner:
                                         (tree.tokens, tree.parents, self.spec.depth))
         if changes is not None:
             logits = apply_transforms(logits, changes)
+        if inputs.allowed is not None:
+            logits = masked(logits, inputs.allowed)
         choice = choose_tokens(logits, verified.positions, rows).view(B, width)  # [B, 1+N]
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
         nodes, length, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes,

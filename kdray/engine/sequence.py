@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kdray.engine.request import SamplingParams
 from kdray.engine.step import STAGES
 from kdray.model.tokenizer import IncrementalDetokenizer
+from kdray.spec.grammar import GrammarState
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Sequence:
     preempted: bool = False  # to give its pages back once nothing in flight writes them, then wait again
     inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: GrammarState | None = None  # structured_outputs: its matcher, at the committed output's end
     text: str = ""
     logprobs: list = field(default_factory=list)  # per output token {token id: Logprob}, when the request asks
     cumulative_logprob: float = 0.0

@@ -25,6 +25,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kdray.engine.request import SamplingParams
+from kdray.spec.grammar import GrammarState
 from kdray.spec.sampling import RowParams
 
 STAGES = ("draft", "build", "verify", "accept", "commit")
@@ -50,17 +51,20 @@ class PrefillBatch:
     histories: list[list[int] | None]  # a last chunk of a penalised request: its whole context (else None)
     # prompt_logprobs: the prompt tokens after the chunk's first positions, one each, that they score (else [])
     scored: list[list[int]]
+    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one (in-process only)
 
 
 @dataclass(frozen=True)
 class StepBatch:
     """The slots of the sequences that take one speculative step, and the draft nodes each verifies (0: plain
     decoding). Each slot's bonus token (the tree's root) and cached length live on the device, advanced by every
-    step, so the host never has to know them to launch."""
+    step, so the host never has to know them to launch. With ``grammars`` the step runs eagerly, its trees on the
+    host between draft and verify for their masks."""
 
     slots: list[int]
     nodes: int
     pages: dict[int, list[int]] = field(default_factory=dict)  # slot -> its pages, where they grew since last sent
+    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one (in-process only)
 
 
 @dataclass
@@ -73,6 +77,7 @@ class StepInputs:
     block_table: torch.Tensor  # [B, max_pages] int32
     params: RowParams  # one row per sequence
     extras: tuple[str, ...] = ()  # the request features (:data:`~kdray.engine.request.FEATURES`) the batch uses
+    allowed: torch.Tensor | None = None  # [B * (1+N), ceil(V/32)] int32: per tree node the tokens its grammar allows
 
 
 @dataclass

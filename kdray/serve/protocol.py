@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kdray.engine.request import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                   MAX_SEED, MAX_TOKENS, MAX_TOP_K, MAX_VOCAB, SamplingParams)
+from kdray.spec.grammar import StructuredOutputsParams
 
 MAX_N = 16  # choices per request
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
@@ -150,6 +151,39 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
+class JSONSchemaSpec(_Strict):
+    """``response_format.json_schema``: the schema the reply follows (``strict``: no properties beyond the ones it
+    names, even where the schema leaves them open)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool = False
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON following a schema (constrained decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is None) == (self.type == "json_schema"):
+            raise FieldError(("json_schema",), "missing: type 'json_schema' needs it" if self.json_schema is None
+                             else f"only goes with type 'json_schema', not '{self.type}'")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The engine's grammar of this format (None for text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=self.json_schema.schema_,
+                                       disable_additional_properties=self.json_schema.strict)
+
+
 class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -173,6 +207,7 @@ class GenerationRequest(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] = Field({}, max_length=MAX_LOGIT_BIAS)
     min_p: float = Field(SamplingParams.min_p, ge=0, le=1)  # vLLM's
     min_tokens: int = Field(SamplingParams.min_tokens, ge=0, le=MAX_TOKENS)  # vLLM's
+    response_format: ResponseFormat | None = None
     user: str | None = None  # METADATA_FIELDS
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
@@ -211,6 +246,18 @@ class GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise FieldError(("stream_options",), "only applies with stream: true; leave it out")
         return self
+
+    @model_validator(mode="after")
+    def _grammar_ends_the_reply(self) -> GenerationRequest:
+        if self.min_tokens and self.constrained:
+            raise FieldError(("min_tokens",), "cannot be combined with a grammar (response_format, or tool_choice "
+                                              "forcing a call): the grammar decides where the reply ends")
+        return self
+
+    @property
+    def constrained(self) -> bool:
+        """The reply follows a grammar."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def include_usage(self) -> bool:
@@ -331,19 +378,23 @@ class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool = False
-
-    @field_validator("strict")
-    @classmethod
-    def _not_strict(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("strict tool calls need constrained decoding, which kdray does not do yet; leave it out")
-        return v
+    strict: bool = False  # arguments exactly as the schema says: what a forced call's grammar always does
 
 
 class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function the reply calls."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 # Names a chat template is given by kdray itself, so chat_template_kwargs may not set them
@@ -384,26 +435,40 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False  # report each token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # ... and the likeliest alternatives (needs logprobs)
-    tool_choice: Any = None  # "none" or "auto"; forcing a call needs constrained decoding
+    # "none", "auto", or forcing a call: "required" (one or, with parallel_tool_calls, more) or a NamedToolChoice
+    tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: the reply's first tool call only
 
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        if v == "required" or isinstance(v, dict):
-            raise ValueError("forcing a tool call needs constrained decoding, which kdray does not do yet; use "
-                             "'auto' or 'none'")
-        if v not in ("none", "auto"):
-            raise ValueError("must be 'none' or 'auto' (kdray does not force tool calls)")
-        return v
+    def _tool_choice(cls, v: Any) -> str | NamedToolChoice:
+        if isinstance(v, str) and v in ("none", "auto", "required"):
+            return v
+        try:
+            return NamedToolChoice.model_validate(v)
+        except ValidationError:
+            raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                             "{\"name\": <a tool's name>}}") from None
 
     @model_validator(mode="after")
     def _completion_tokens(self) -> ChatCompletionRequest:
         """The newer ``max_completion_tokens`` name wins over ``max_tokens`` when both are given."""
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        if self.tool_choice not in (None, "none") and self.tools is None:
-            raise FieldError(("tool_choice",), f"'{self.tool_choice}' needs tools; send tools or leave it out")
+        if self.tool_choice not in (None, "none") and (self.tools is None or self.forces_tool_call and not self.tools):
+            shown = self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
+            raise FieldError(("tool_choice",), f"'{shown}' needs tools; send tools or leave it out")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self.tool_names:
+            raise FieldError(("tool_choice",), f"names function '{self.tool_choice.function.name}', which tools do "
+                                               f"not declare (they declare {self.tool_names})")
+        strict = [i for i, t in enumerate(self.tools or []) if t.function.strict]
+        if strict and not self.forces_tool_call:
+            raise FieldError(("tools", strict[0], "function", "strict"), "kdray constrains arguments only where "
+                             "tool_choice forces a call ('required' or a named function); leave strict out or force "
+                             "the call")
+        if self.forces_tool_call and self.response_format is not None and self.response_format.type != "text":
+            raise FieldError(("response_format",), "does not apply to a reply that tool_choice forces to be tool "
+                                                   "calls; leave one of them out")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError(("top_logprobs",), "needs logprobs: true; send it or leave top_logprobs out")
         return self
@@ -416,6 +481,25 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     @property
     def parses_tool_calls(self) -> bool:
         return self.tools is not None and self.tool_choice != "none"
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def constrained(self) -> bool:
+        return self.forces_tool_call or super().constrained
+
+    def forced_calls(self) -> tuple[list[FunctionDefinition], bool]:
+        """The functions a forced reply calls, and whether it may call several."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            named = self.tool_choice.function.name
+            return [t.function for t in self.tools if t.function.name == named], False
+        return [t.function for t in self.tools], self.parallel_tool_calls
 
 
 class TokenizeCompletionRequest(_Strict):

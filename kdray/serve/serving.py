@@ -22,6 +22,7 @@ from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, Cha
                                   DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
 from kdray.serve.tool_calls import ParsedCall, ToolCallParser
+from kdray.spec.grammar import StructuredOutputsParams
 
 logger = logging.getLogger("kdray.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -155,6 +156,23 @@ class OpenAIServing:
                            code="chat_template_error") from None
         return self.tokenizer.encode(text)
 
+    def _grammar(self, req: GenerationRequest) -> StructuredOutputsParams:
+        """The grammar a constrained request's reply follows (``response_format``, or ``tool_choice`` forcing a call
+        in the model's tool-call format), compiled here (run it off the event loop): one that does not compile is a
+        400 naming its field, and the engine finds it compiled."""
+        if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
+            functions, several = req.forced_calls()
+            grammar = StructuredOutputsParams(structural_tag=self.tool_calls.grammar(
+                [(f.name, f.parameters) for f in functions], several))
+            field, what = "tool_choice", "forcing a call needs the tools' parameters as a grammar, and "
+        else:
+            grammar, field, what = req.response_format.structured_outputs(), "response_format", ""
+        try:
+            self.engine.engine.grammars.compile(grammar)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {what}{e}", param=field, code="invalid_value") from None
+        return grammar
+
     def _max_tokens(self, req: GenerationRequest, prompt_len: int, chat: bool) -> int:
         field = "messages" if chat else "prompt"
         room = self.max_model_len - prompt_len
@@ -175,6 +193,7 @@ class OpenAIServing:
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
+        grammar = await asyncio.to_thread(self._grammar, req) if req.constrained else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = []
         for i, ids in enumerate(prompts):
@@ -191,7 +210,8 @@ class OpenAIServing:
                                         presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
                                         repetition_penalty=req.repetition_penalty, logit_bias=req.token_bias,
-                                        logprobs=req.reported_logprobs, prompt_logprobs=req.reported_prompt_logprobs)
+                                        logprobs=req.reported_logprobs, prompt_logprobs=req.reported_prompt_logprobs,
+                                        structured_outputs=grammar)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
         response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools,
                              self._token_text)

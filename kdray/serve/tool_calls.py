@@ -10,6 +10,8 @@ Hermes (every other model): ``<tool_call>{"name": NAME, "arguments": {...}}</too
 
 The reply's content is its text before the first call. A growing reply parses the same way: K2 calls show their
 name as soon as their id is complete and their arguments as they grow; a Hermes call shows once it is closed.
+:meth:`ToolCallParser.grammar` is the other direction: the grammar of a reply that is nothing but calls in the
+format, which constrained decoding holds a forced reply to (``tool_choice`` "required" or a named function).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 K2_SECTION, K2_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 K2_CALL, K2_ARGUMENTS, K2_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 HERMES_CALL, HERMES_CALL_END = "<tool_call>", "</tool_call>"
+K2_INDEX = "[0-9]{1,4}"  # the call's number in a K2 id (functions.NAME:IDX)
+ARGUMENTS_WHITESPACE = 1  # whitespace characters a forced call's JSON may hold in a row
 
 
 @dataclass
@@ -50,6 +54,35 @@ class ToolCallParser:
         self.markers = {i: t for t in tokens if (i := tokenizer.backend.token_to_id(t)) is not None}
         self.start = K2_SECTION if self.k2 else HERMES_CALL
 
+    def grammar(self, functions: list[tuple[str, dict | None]], several: bool) -> str:
+        """The xgrammar structural tag (JSON text) of a reply made of one call (``several``: one or more) to any of
+        ``functions`` ((name, parameters schema or None: no parameters)), in this parser's format, arguments
+        following the schema."""
+        calls = [self._call_grammar(name, params) for name, params in functions]
+        call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        if self.k2:
+            calls = {"type": "plus", "content": call} if several else call
+            reply = _sequence(self._marker(K2_SECTION), calls, self._marker(K2_SECTION_END))
+        else:  # Hermes: calls one per line
+            reply = _sequence(call, {"type": "star", "content": _sequence(_text("\n"), call)}) if several else call
+        return json.dumps({"type": "structural_tag", "format": reply})
+
+    def _call_grammar(self, name: str, parameters: dict | None) -> dict:
+        arguments = {"type": "json_schema", "json_schema": parameters or {"type": "object", "properties": {}},
+                     "max_whitespace_cnt": ARGUMENTS_WHITESPACE}
+        if self.k2:
+            return _sequence(self._marker(K2_CALL), _text(f"functions.{name}:"), {"type": "regex", "pattern": K2_INDEX},
+                             self._marker(K2_ARGUMENTS), arguments, self._marker(K2_CALL_END))
+        call = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments["json_schema"]},
+                "required": ["name", "arguments"], "additionalProperties": False}
+        return _sequence(self._marker(HERMES_CALL), _text("\n"), {**arguments, "json_schema": call}, _text("\n"),
+                         self._marker(HERMES_CALL_END))
+
+    def _marker(self, text: str) -> dict:
+        """The format's marker: its token where the vocabulary has one, else its text."""
+        ids = [i for i, t in self.markers.items() if t == text]
+        return {"type": "token", "token": ids[0]} if ids else _text(text)
+
     def text(self, ids: list[int]) -> str:
         """``ids`` decoded with the format's tokens written out (decoding skips special tokens)."""
         pieces, run = [], []
@@ -68,6 +101,14 @@ class ToolCallParser:
             return ParsedReply(text if final else _hold(text, self.start), [])
         body = text[at:]
         return ParsedReply(text[:at], _k2_calls(body) if self.k2 else _hermes_calls(body, final))
+
+
+def _text(value: str) -> dict:
+    return {"type": "const_string", "value": value}
+
+
+def _sequence(*elements: dict) -> dict:
+    return {"type": "sequence", "elements": list(elements)}
 
 
 def _hold(text: str, marker: str) -> str:

@@ -1,0 +1,211 @@
+"""Constrained decoding (``structured_outputs``): a grammar's token mask on the target's choice, the same for plain
+decoding and for every verified tree node.
+
+A request's grammar (a JSON schema, any JSON object, or an xgrammar structural tag, which forced tool calls use) is
+compiled by :class:`Grammars` (xgrammar caches compiled grammars), and the request's :class:`GrammarState` follows
+its committed output. Before a step's tree is verified, :func:`tree_masks` walks each grammar row's tree
+depth-first from the committed state (consume a node's token, fill the mask of what may follow, roll back), so a
+node's mask is the one plain decoding applies after that node's path and chain and DDTree stay lossless. The masks
+go to the device as one bitmask ``[R, ceil(V/32)]`` int32; :func:`masked` sets the logits they exclude to -inf.
+
+The matcher reads each token id's bytes (:func:`token_bytes`): a special token is the byte 0xFF (never in UTF-8
+text) and its name, so no text matches it and a grammar names it by its id; ids past the tokenizer's vocabulary
+are empty, never allowed. xgrammar is imported on first use (it takes a second).
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kdray.kernels.tree_build import DraftTree
+from kdray.model.tokenizer import TiktokenBackend, Tokenizer
+
+SPECIAL_LEAD = b"\xff"  # before a special token's name: no UTF-8 text holds this byte
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")  # "[time] file.cc:12: "
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must follow (vLLM's names), exactly one of: ``json``, a JSON schema (a dict or JSON text;
+    ``disable_additional_properties`` also forbids the properties a schema leaves open, as OpenAI's ``strict``);
+    ``json_object=True``, any JSON object; ``structural_tag``, an xgrammar structural tag as JSON text (forced tool
+    calls are one). The output ends where the grammar does (the model's EOS)."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_additional_properties: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "json_object", "structural_tag") if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json (a JSON schema), json_object=True or "
+                             f"structural_tag (got {given or 'none'})")
+        checks = [(self.json is None or isinstance(self.json, (dict, str)), "json", "a JSON schema (a dict or text)"),
+                  (self.json_object in (None, True), "json_object", "True or None"),
+                  (self.structural_tag is None or isinstance(self.structural_tag, str), "structural_tag",
+                   "JSON text"),
+                  (isinstance(self.disable_additional_properties, bool), "disable_additional_properties", "a bool")]
+        for ok, name, what in checks:
+            if not ok:
+                raise ValueError(f"StructuredOutputsParams.{name} must be {what}")
+
+    @property
+    def field(self) -> str:
+        """The field that holds the grammar."""
+        return "json" if self.json is not None else "json_object" if self.json_object else "structural_tag"
+
+
+def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
+    """Each id's bytes as decoding writes them, ``vocab_size`` entries: special tokens as SPECIAL_LEAD and their name,
+    ids the tokenizer lacks empty. Tiktoken vocabularies and byte-level BPE (``tokenizer.json``, GGUF) are read."""
+    backend, out = tokenizer.backend, [b""] * vocab_size
+    if isinstance(backend, TiktokenBackend):
+        for i in range(min(backend.num_ranks, vocab_size)):
+            out[i] = backend.enc.decode_single_token_bytes(i)
+        specials = backend.specials
+    else:
+        import tokenizers
+
+        tok = backend.tok
+        if not isinstance(tok.decoder, tokenizers.decoders.ByteLevel):
+            raise ValueError(f"this tokenizer's decoder ({type(tok.decoder).__name__}) is not byte-level, so kdray "
+                             "cannot tell each token's bytes; grammars need a byte-level BPE or tiktoken vocabulary")
+        chars = byte_level_alphabet()
+        for text, i in tok.get_vocab(with_added_tokens=False).items():
+            if i < vocab_size:
+                out[i] = bytes(chars[c] for c in text) if all(c in chars for c in text) else text.encode()
+        added = tok.get_added_tokens_decoder()
+        specials = {t.content: i for i, t in added.items() if t.special}
+        for i, t in added.items():
+            if not t.special and i < vocab_size:
+                out[i] = t.content.encode()
+    for name, i in specials.items():
+        if i < vocab_size:
+            out[i] = SPECIAL_LEAD + name.encode()
+    return out
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE vocabulary."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+
+
+class Grammars:
+    """Grammars for one model: its token table (built on first use; about a second at 163840 tokens), compiled
+    grammars and matchers. Thread-safe. ``refusal`` (or no tokenizer) says why this engine cannot constrain
+    decoding: every compile raises it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_ids: tuple[int, ...],
+                 refusal: str | None = None):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
+        if refusal is None and tokenizer is None:
+            refusal = "the model has no tokenizer, so a grammar has no token text to match"
+        if refusal is None and not self.eos_ids:
+            refusal = "the model names no EOS token, so a grammar's output cannot end"
+        self.refusal = refusal
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def compiler(self):
+        """The xgrammar compiler of this vocabulary (made on first use)."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo(token_bytes(self.tokenizer, self.vocab_size), xgr.VocabType.RAW,
+                                         vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids))
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams):
+        """``params``' grammar, compiled (cached after the first time); a ValueError says why it does not compile."""
+        if self.refusal is not None:
+            raise ValueError(f"constrained decoding is not available here: {self.refusal}")
+        compiler = self.compiler()
+        if params.json_object:
+            return compiler.compile_grammar(json_object_grammar())
+        try:
+            if params.json is not None:
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                return compiler.compile_json_schema(schema, any_whitespace=False,  # one line: ", " and ": "
+                                                    strict_mode=params.disable_additional_properties)
+            return compiler.compile_structural_tag(params.structural_tag)
+        except (RuntimeError, ValueError) as e:  # xgrammar's errors carry a source location first
+            what = {"json": "JSON schema", "structural_tag": "structural tag"}
+            reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            raise ValueError(f"the {what[params.field]} does not compile: {reason}") from None
+
+    def start(self, params: StructuredOutputsParams) -> GrammarState:
+        """A matcher of ``params``' grammar at the output's start."""
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+
+
+def json_object_grammar() -> str:
+    """xgrammar's built-in JSON grammar (fast masks), its root narrowed from an object or array to an object."""
+    import xgrammar as xgr
+
+    root, rules = str(xgr.Grammar.builtin_json_grammar()).split("\n", 1)
+    if not root.startswith("root ::=") or "\nmembers_and_embrace ::=" not in "\n" + rules:
+        raise RuntimeError(f"xgrammar's built-in JSON grammar changed shape (root: {root[:80]}); update "
+                           "kdray.spec.grammar.json_object_grammar for this xgrammar version")
+    return 'root ::= "{" [ \\n\\r\\t]* members_and_embrace\n' + rules
+
+
+class GrammarState:
+    """One request's matcher, advanced by the engine on each committed token."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token: int):
+        """Consume a committed token (the masks allowed only tokens it accepts)."""
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was committed against its grammar's mask; this is a bug in kdray")
+
+    @property
+    def ended(self) -> bool:
+        """The grammar accepted its end (an EOS after a complete output)."""
+        return self.matcher.is_terminated()
+
+
+def tree_masks(states: list[GrammarState | None], tree: DraftTree, vocab: int) -> torch.Tensor:
+    """``[B * (1+N), ceil(vocab/32)]`` int32 on the host, one row per node of ``tree`` (rows of ``states[b]``'s tree
+    first): the tokens plain decoding may choose after the node's path, from the committed state (whose last token
+    is the root). Rows of sequences without a grammar, unused nodes and nodes no allowed path reaches (never accepted:
+    their token is masked at their parent) allow every token."""
+    B, width = tree.tokens.shape
+    tokens, parents, counts = tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.tolist()
+    out = torch.full((B * width, (vocab + 31) // 32), -1, dtype=torch.int32)  # [B * (1+N), W]
+    for b, state in enumerate(states):
+        if state is None:
+            continue
+        n = counts[b]
+        first, after = _first_child_next_sibling(parents[b, :n].tolist())
+        state.matcher.traverse_draft_tree(first, after, tokens[b, :n], out[b * width:b * width + n])
+    out[(out == 0).all(1)] = -1  # unreachable nodes, and nodes past the grammar's end: never accepted
+    return out
+
+
+def _first_child_next_sibling(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree as xgrammar walks it: per node its first child and its next sibling (-1: none). ``[n]`` int64 each."""
+    first, after = [-1] * len(parents), [-1] * len(parents)
+    for i in range(len(parents) - 1, 0, -1):
+        after[i], first[parents[i]] = first[parents[i]], i
+    return torch.tensor(first), torch.tensor(after)
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits ``[R, V]`` with the tokens ``bitmask [R, ceil(V/32)]`` int32 leaves out set to -inf (a new tensor). Token
+    t is bit t % 32 of word t // 32, so byte by byte (little-endian) it is bit t % 8 of byte t // 8."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((bitmask.view(torch.uint8)[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[1]]  # [R, V] uint8
+    return logits.masked_fill(allowed == 0, float("-inf"))
