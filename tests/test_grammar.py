@@ -289,3 +289,17 @@ def test_grammars_that_do_not_compile_or_name_nothing_are_400s(serving, fields, 
     with pytest.raises(APIError, match=message) as e:
         call(serving, "chat", {"messages": USER, **fields})
     assert (e.value.status, e.value.param) == (400, param)
+
+
+@pytest.mark.gpu
+def test_grammar_steps_on_the_gpu_equal_the_cpu_reference(random_k2):
+    """fp32 on the GPU with CUDA graphs: DDTree's grammar batches (stepped eagerly, their masks uploaded between the
+    halves) and the plain request beside them emit the CPU AR's tokens."""
+    params = [SamplingParams(max_tokens=48, structured_outputs=GRAMMAR)] * len(PROMPTS) + [
+        SamplingParams(max_tokens=12, ignore_eos=True)]
+    cpu = LLM(model=random_k2, device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS + [PLAIN],
+                                                                   sampling_params=params)
+    gpu = LLM(model=random_k2, device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
+              block_size=8, cuda_graphs=True)
+    outs = gpu.generate(prompt_token_ids=PROMPTS + [PLAIN], sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cpu]
