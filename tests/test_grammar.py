@@ -2,7 +2,6 @@
 a matcher fed the node's path, AR == chain == DDTree under a grammar (greedy and seeded; drafts that rarely agree and
 an oracle's), a plain request batched with grammar ones untouched, output that parses and validates, forced tool
 calls in K2's and Hermes' formats, and the 400s; served through the OpenAI handlers in-process."""
-import asyncio
 import json
 import random
 import shutil
@@ -12,16 +11,14 @@ import pytest
 import torch
 from k2_chat import TOOLS, make_k2_chat_checkpoint
 from test_ddtree import oracle
+from test_serving_sampling import call, serving  # noqa: F401 - serving is a fixture
 from test_tokenizer import hf_backend  # noqa: F401 - a fixture
 
 from kdray import LLM, SamplingParams, StructuredOutputsParams
 from kdray.kernels.tree_build import DraftTree
 from kdray.model.presets import k2_tiny_path
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
-from kdray.serve.async_engine import AsyncEngine
-from kdray.serve.metrics import Metrics
 from kdray.serve.protocol import APIError
-from kdray.serve.serving import OpenAIServing
 from kdray.serve.tool_calls import ToolCallParser
 from kdray.spec.grammar import SPECIAL_LEAD, Grammars, masked, token_bytes, tree_masks
 
@@ -197,25 +194,6 @@ def test_hermes_forced_call_grammar_takes_its_calls_and_nothing_else(markers):
     assert not takes(reply.replace("get_time", "get_date"), True)
     assert [(c.name, c.arguments) for c in parser.parse(parser.text(tok.encode(reply)), True).calls] == [
         ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
-
-
-@pytest.fixture(scope="module")
-def serving(tmp_path_factory):
-    llm = LLM(model=str(make_k2_chat_checkpoint(tmp_path_factory.mktemp("m") / "k2-chat")), spec="ar")
-    engine = AsyncEngine(llm.engine, max_num_seqs=4, max_queue=4, metrics=Metrics())
-    yield OpenAIServing(engine, "k2-chat")
-    engine.shutdown()
-
-
-def call(serving: OpenAIServing, route: str, body: dict):
-    """The response body, or the streamed chunks' objects."""
-    async def go():
-        answer = await (serving.chat if route == "chat" else serving.completions)({"model": "k2-chat", **body})
-        if isinstance(answer, dict):
-            return answer
-        return [json.loads(e[6:]) for e in [e async for e in answer] if e != "data: [DONE]\n\n"]
-
-    return asyncio.run(asyncio.wait_for(go(), 60))
 
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "rain": {"type": "boolean"}},
