@@ -22,7 +22,7 @@ from kdray.serve.args import ServeArgs
 
 BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py",
               "serve-load": "serve_load.py", "reliability": "reliability.py", "k2-step": "k2_step.py",
-              "k2-prefill": "k2_prefill.py"}  # name -> benchmarks/ file
+              "k2-prefill": "k2_prefill.py", "drafter-tau": "drafter_tau.py"}  # name -> benchmarks/ file
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, cls, title: str):

@@ -18,6 +18,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a small CPU box shared with other
+    jobs, two threads' barriers stall every op."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real small model (SmolLM2-135M-Instruct from its GGUF), fp32 on the CPU, loaded once."""

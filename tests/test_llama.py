@@ -15,13 +15,7 @@ from kdray.model.loader import load_target
 from kdray.model.parallel import SingleGroup
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a small CPU box shared with other jobs, two threads' barriers stall every op."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,8 +1,13 @@
-"""DFlash drafter training: the dense many-anchor forward, the block layout, and a tiny run on k2-tiny."""
+"""DFlash drafter training: the dense many-anchor forward, the block layout, features per batch, tiny runs on k2-tiny
+(one, timed, and split into resumed runs), and the per-category held-out tau benchmark."""
 from __future__ import annotations
 
 import json
+import random
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from kdray.engine.request import SamplingParams
@@ -10,7 +15,11 @@ from kdray.llm import LLM
 from kdray.model.batch import ForwardBatch, pack_bits
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import load_target
-from kdray.train_drafter import lr_at, main, make_blocks, topic_passages
+from kdray.train_drafter import Corpus, lr_at, main, make_blocks, target_features, topic_passages
+from kdray.train_state import STATE_FILE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_dense_forward_matches_the_cached_forward():
@@ -107,3 +116,105 @@ def test_smollm2_ships_a_loadable_drafter_and_other_models_none():
     d = DFlashDrafter.from_pretrained(path, torch.bfloat16, "cpu")
     assert (d.cfg.hidden_size, d.cfg.vocab_size, d.cfg.num_target_layers, d.cfg.block_size) == (576, 49152, 30, 16)
     assert builtin_drafter("k2-tiny") is None and builtin_drafter(path) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_computed_per_batch_equal_one_pass_over_the_whole_corpus(dtype):
+    target = load_target("k2-tiny", dtype, "cpu")
+    rng = random.Random(0)
+    seqs = [[rng.randrange(1024) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
+    corpus = Corpus.build(seqs, [3] * len(seqs), torch.device("cpu"))
+    layers = (0, 2)
+    whole = target_features(target, torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs], layers,
+                            tokens_per_pass=60, seqs_per_pass=3)  # [sum(len), 2 * 64], other groups of sequences
+    assert whole.dtype == dtype and whole.shape == (sum(map(len, seqs)), 128)
+    idx = [7, 2, 5, 0]
+    tokens, features, lens, prompt_lens = corpus.batch(idx, target, layers)
+    S = max(len(seqs[i]) for i in idx)
+    assert tokens.shape == (4, S) and features.shape == (4, S, 128) and features.dtype == dtype
+    assert lens.tolist() == [len(seqs[i]) for i in idx] and prompt_lens.tolist() == [3] * 4
+    for b, i in enumerate(idx):
+        n, start = len(seqs[i]), sum(map(len, seqs[:i]))
+        assert tokens[b].tolist() == seqs[i] + [seqs[i][-1]] * (S - n)  # padded with the last token
+        torch.testing.assert_close(features[b, :n], whole[start:start + n])  # passes of other sizes: rounding only
+        assert torch.equal(features[b, n:], features[b, n - 1].expand(S - n, -1))
+
+
+RUN = ["--model", "k2-tiny", "--device", "cpu", "--max-chars", "60", "--num-prompts", "4", "--max-new-tokens", "12",
+       "--layers", "1", "--target-layers", "2", "--block-size", "8", "--steps", "6", "--batch-size", "2",
+       "--anchors", "8", "--lr", "3e-3", "--log-every", "1", "--checkpoints", "1", "--eval-prompts", "1",
+       "--eval-tokens", "4", "--eval-budget", "8"]
+ONE_STEP = ["--train-seconds", "1e-9"]  # a run stops after its first step (its time is checked after each step)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, Path]:
+    """6 steps in one run, and in three: one step, one more (resumed), the rest (resumed)."""
+    one, split = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("split")
+    assert main([*RUN, "--output", str(one)]) == 0
+    assert main([*RUN, "--output", str(split), *ONE_STEP]) == 0
+    assert torch.load(split / STATE_FILE, weights_only=True)["step"] == 1
+    assert main([*RUN, "--output", str(split), *ONE_STEP, "--resume"]) == 0
+    assert main([*RUN, "--output", str(split), "--resume"]) == 0
+    return one, split
+
+
+def test_a_run_split_into_resumed_runs_ends_as_one_run_does(runs):
+    one, split = (torch.load(d / STATE_FILE, weights_only=True) for d in runs)
+    assert one["step"] == split["step"] == 6 and one["log"]["complete"] and split["log"]["complete"]
+    assert one["drafter"].keys() == split["drafter"].keys()
+    for name, w in one["drafter"].items():
+        assert torch.equal(w, split["drafter"][name]), name
+    for a, b in zip(one["optimizer"]["state"].values(), split["optimizer"]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    curves = [[(r["step"], r["lr"], r["loss"]) for r in s["log"]["curve"]] for s in (one, split)]
+    assert curves[0] == curves[1] and len(curves[0]) == 6
+    assert [(r["from_step"], r["to_step"]) for r in split["log"]["runs"]] == [(0, 1), (1, 2), (2, 6)]
+    assert [e["step"] for e in split["log"]["evals"]] == [1, 2, 6]  # each run saves a checkpoint when it stops
+    assert json.loads((runs[1] / "train_log.json").read_text())["steps"] == 6
+    assert (runs[0] / "model.safetensors").read_bytes() == (runs[1] / "model.safetensors").read_bytes()
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(runs, tmp_path, capsys):
+    from kdray.cli import main as kdray_main
+
+    split = str(runs[1])
+    assert main([*RUN, "--output", split, "--resume"]) == 0  # the schedule is done
+    assert "nothing to do" in capsys.readouterr().err
+    changed = [a if a != "3e-3" else "1e-3" for a in RUN]
+    assert kdray_main(["train-drafter", *changed, "--layers", "2", "--output", split, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr: 0.003 then, 0.001 now" in err and "--layers: 1 then, 2 now" in err and "--batch-size" not in err
+    with pytest.raises(ValueError, match=r"training data .* \{'sequences': 4, .* \{'sequences': 3,"):
+        main([*RUN, "--num-prompts", "3", "--output", split, "--resume"])
+    with pytest.raises(ValueError, match="pass --resume to continue it"):
+        main([*RUN, "--output", split])
+    with pytest.raises(ValueError, match="holds no training state"):
+        main([*RUN, "--output", str(tmp_path), "--resume"])
+
+
+def test_drafter_tau_prints_a_row_per_category_and_mode(tmp_path, capsys):
+    from benchmarks.drafter_tau import main as drafter_tau
+
+    target = load_target("k2-tiny")
+    for seed in (1, 2):
+        DFlashDrafter.random_for(target.config, block_size=8, dtype=torch.float32, device="cpu",
+                                 seed=seed).save(tmp_path / f"drafter{seed}")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rows = [{"id": str(i), "source": "words", "doc": f"words:{i}", "kind": "word", "category": c,
+             "prompt": f"Prompt {i} about {c}."} for i, c in enumerate(["math", "code", "math", "writing", "code"])]
+    (corpus / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tau.json"
+    assert drafter_tau(["--corpus", str(corpus), "--model", "k2-tiny", "--device", "cpu", "--drafter",
+                        str(tmp_path / "drafter1"), "--compare", str(tmp_path / "drafter2"), "--budgets", "8", "16",
+                        "--prompts-per-category", "1", "--max-tokens", "6", "--json", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| category | sampling | mode | tau drafter1 | tau drafter2 | drafter2 / drafter1 |"
+    cells = [line.split(" | ")[:3] for line in lines[1:]]
+    assert cells == [[f"| {c}", s, m] for c in ("code", "math", "writing", "all") for s in ("greedy", "T=0.7")
+                     for m in ("chain", "ddtree 8", "ddtree 16")]
+    result = json.loads(out.read_text())
+    assert result["prompts"] == {"code": 1, "math": 1, "writing": 1}
+    taus = [v for d in result["tau"].values() for m in d.values() for t in m.values() for v in t.values()]
+    assert len(taus) == 2 * 3 * 2 * 4 and all(1.0 <= v <= 9.0 for v in taus)

@@ -38,3 +38,15 @@ def read_responses(corpus: Path, model: str) -> tuple[dict, list[dict]]:
                          f"train with --model {record['settings']['model']}, or generate into another copy")
     shards = sorted((corpus / "responses").glob("shard-*.jsonl"))
     return record, [r for path in shards for r in read_jsonl(path)]
+
+
+def heldout_by_category(corpus: Path) -> dict[str, list[dict]]:
+    """The held-out prompts of a built corpus by category (categories sorted by name, prompts in file order); a
+    ValueError when it holds none out."""
+    rows = read_jsonl(corpus_file(corpus, "heldout.jsonl"))
+    if not rows:
+        raise ValueError(f"{corpus} holds out no prompts to evaluate on: build it with --heldout-fraction > 0")
+    by_category: dict[str, list[dict]] = {}
+    for r in rows:
+        by_category.setdefault(r["category"], []).append(r)
+    return dict(sorted(by_category.items()))
