@@ -87,3 +87,17 @@ def print_table(rows: list[list[str]], header: list[str] = HEADER) -> str:
     out = "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
     print(out)
     return out
+
+
+def target_and_drafter(args) -> tuple:
+    """A benchmark's target (``--model``, ``--device``, ``--dtype``: bfloat16 on cuda, float32 on cpu by default),
+    its dtype, and its drafter's path (``--drafter``, else the model's shipped one)."""
+    from kdray.model.loader import load_target, parse_dtype
+    from kdray.model.presets import builtin_drafter
+
+    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    target = load_target(args.model, dtype, args.device)
+    path = args.drafter or builtin_drafter(args.model)
+    if path is None:
+        raise SystemExit(f"{args.model} has no built-in drafter: pass --drafter <DFlash checkpoint dir>")
+    return target, dtype, path

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import target_and_drafter  # noqa: E402
 from kdray.drafter_corpus.files import heldout_by_category
 from kdray.engine.args import DEFAULT_MODEL
 from kdray.engine.request import SamplingParams
 from kdray.model.dflash import DFlashDrafter
-from kdray.model.loader import load_target, parse_dtype
-from kdray.model.presets import builtin_drafter
 from kdray.train_drafter import encode_prompt, spec_llm, tau_of
 
 ALL = "all"  # the row of every category together
@@ -94,11 +94,7 @@ def table(results: dict[str, dict], categories: list[str], header: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    target = load_target(args.model, dtype, args.device)
-    drafter = args.drafter or builtin_drafter(args.model)
-    if drafter is None:
-        raise SystemExit(f"{args.model} has no built-in drafter: pass --drafter <DFlash checkpoint dir>")
+    target, dtype, drafter = target_and_drafter(args)
     paths = {"shipped" if args.drafter is None else Path(drafter).name: drafter}
     if args.compare:
         name = Path(args.compare).name

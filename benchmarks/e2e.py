@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import target_and_drafter  # noqa: E402
 from kdray.engine.args import AUTO_MAX_NODES
 from kdray.engine.request import SamplingParams
 from kdray.llm import LLM
-from kdray.model.presets import builtin_drafter
 from kdray.model.dflash import DFlashDrafter
-from kdray.model.loader import load_target, parse_dtype
 from kdray.train_drafter import kv_pages, margin_at, topic_prompts
 
 
@@ -179,11 +179,7 @@ def bench(args, target, drafter, graphs: bool, prompts: dict, pages: int, on_row
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    target = load_target(args.model, dtype, args.device)
-    drafter_path = args.drafter or builtin_drafter(args.model)
-    if drafter_path is None:
-        raise SystemExit(f"{args.model} has no built-in drafter: pass --drafter <DFlash checkpoint dir>")
+    target, dtype, drafter_path = target_and_drafter(args)
     drafter = DFlashDrafter.from_pretrained(drafter_path, dtype, args.device)
     heldout = topic_prompts(target.tokenizer, target.config.vocab_size)[1]
     prompts = {"b1": heldout[:args.batch1_prompts], "bN": heldout[:args.batch],
