@@ -40,21 +40,26 @@ class MLAttention(nn.Module):
         H, D = cfg.num_attention_heads, cfg.qk_head_dim
         start, end = shard_range(H, group, "num_attention_heads")
         self.heads = end - start
+        # The projections of x that every rank computes whole, as one weight [q_lora + kv_lora + rope, hidden]:
+        # q_a_proj's rows (with a q_lora_rank), then kv_a_proj_with_mqa's (one stream of the weights, one launch).
+        self.a_parts = ([cfg.q_lora_rank] if cfg.q_lora_rank is not None else []) + [cfg.kv_cache_dim]
+        self.a_proj = Linear(cfg.hidden_size, sum(self.a_parts), dtype)
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(cfg.hidden_size, H * D, dtype, tp_dim=0, group=group)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, H * D, dtype, tp_dim=0, group=group)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp_dim=0,
                                 group=group)
         self.o_proj = Linear(H * cfg.v_head_dim, cfg.hidden_size, dtype, tp_dim=1, group=group)
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.heads, self.cfg.qk_head_dim)  # [T, Hl, nope + rope]
+    def _queries_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, hidden]`` -> (queries ``[T, Hl, nope + rope]``, ``kv_a [T, kv_lora + rope]``: a view of the
+        joint projection's rows)."""
+        *q_a, kv_a = self.a_proj(x).split(self.a_parts, dim=-1)
+        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_a[0]))
+        return q.view(x.shape[0], self.heads, self.cfg.qk_head_dim), kv_a
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [Hl, nope, kv_lora]`` and ``W_UV [Hl, v, kv_lora]``: views of ``kv_b_proj``'s weight."""
@@ -70,8 +75,7 @@ class MLAttention(nn.Module):
         ``mla_rope_cache``)."""
         c, T = self.cfg, x.shape[0]
         nope, L = c.qk_nope_head_dim, c.kv_lora_rank
-        q = self._queries(x)  # [T, Hl, nope + rope]
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
+        q, kv_a = self._queries_and_latent(x)  # [T, Hl, nope + rope], [T, kv_lora + rope]
         rows = cache.view(-1, c.kv_cache_dim)  # [P * S, kv_lora + rope]
         if batch.is_prefill:
             q_pe = q[..., nope:]
@@ -102,8 +106,11 @@ class MLAttention(nn.Module):
         return prefill_attention(q, k, v, batch.cu_q, batch.q_lens, c.softmax_scale)
 
     def load(self, reader: CheckpointReader, prefix: str):
-        names = ["q_proj"] if self.cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
-        for name in names + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]:
+        lora = self.cfg.q_lora_rank is not None
+        self.a_proj.load(reader, [f"{prefix}.{n}.weight" for n in ["q_a_proj"] * lora + ["kv_a_proj_with_mqa"]],
+                         self.a_parts)
+        names = ["q_a_layernorm", "q_b_proj"] if lora else ["q_proj"]
+        for name in names + ["kv_a_layernorm", "kv_b_proj", "o_proj"]:
             getattr(self, name).load(reader, f"{prefix}.{name}.weight")
 
 

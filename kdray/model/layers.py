@@ -59,13 +59,13 @@ class Linear(nn.Module):
         y = skinny_linear(x, self.weight)  # F.linear, or the weight-streaming kernel at a few tokens
         return self.group.all_reduce(y) if self.tp_dim == 1 and self.group.size > 1 else y
 
-    def load(self, reader: CheckpointReader, names: str | list[str]):
-        """Load one checkpoint tensor, or several stacked along the output dim (e.g. gate and up), each
-        split across the group on its own."""
+    def load(self, reader: CheckpointReader, names: str | list[str], rows: list[int] | None = None):
+        """Load one checkpoint tensor, or several stacked along the output dim (e.g. gate and up; ``rows`` each,
+        equal parts by default), each split across the group on its own."""
         names = [names] if isinstance(names, str) else names
-        part_out = self.full_shape[0] // len(names)
+        rows = rows or [self.full_shape[0] // len(names)] * len(names)
         parts = []
-        for name in names:
+        for name, part_out in zip(names, rows, strict=True):
             full = (part_out, self.full_shape[1])
             shard = None
             if self.tp_dim is not None:
