@@ -20,7 +20,7 @@ from kdray.config import DFlashConfig, default_target_layer_ids
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import DecoderLayer, GatedMLP, Linear, RMSNorm, Rotary
+from kdray.model.layers import DecoderLayer, GatedMLP, Linear, RMSNorm, Rotary, final_norm
 
 
 class DFlashAttention(nn.Module):
@@ -111,11 +111,11 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """Block embeddings ``[T, H]`` (``T = B * block_size``; ``batch`` holds their positions and an all-ones
         mask over each block) -> hidden states ``[T, H]`` after the final norm."""
-        h = block_embeds.to(self.dtype)
+        h, delta = block_embeds.to(self.dtype), None
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, self.rotary, cos, sin, batch, cache[i])
-        return self.norm(h)
+            h, delta = layer(h, delta, self.rotary, cos, sin, batch, cache[i])
+        return final_norm(self.norm, h, delta)
 
     def forward_dense(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor,
                       context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

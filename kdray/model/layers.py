@@ -227,17 +227,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps, dtype)
         self.mlp = mlp
 
-    def forward(self, h, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """h ``[T, dim]`` (the residual stream) -> ``[T, dim]``; the attention's residual add is fused into the
-        post-attention norm."""
-        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rotary, cos, sin, batch, cache), h)
-        return h + self.mlp(x)
+    def forward(self, h, delta, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h + delta`` (``delta`` None: ``h``), each ``[T, dim]`` -> this layer's output as
+        (stream, pending MLP output), their sum left to the next norm: every residual add is fused into the norm
+        after it (:func:`residual_stream` sums them where a caller needs the stream itself)."""
+        x, h = (self.input_layernorm(h), h) if delta is None else self.input_layernorm(delta, h)
+        x, h = self.post_attention_layernorm(self.self_attn(x, rotary, cos, sin, batch, cache), h)
+        return h, self.mlp(x)
 
     def load(self, reader: CheckpointReader, prefix: str):
         for name in ("input_layernorm", "post_attention_layernorm"):
             getattr(self, name).load(reader, f"{prefix}.{name}.weight")
         self.self_attn.load(reader, f"{prefix}.self_attn")
         self.mlp.load(reader, f"{prefix}.mlp")
+
+
+def residual_stream(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """The stream a layer's (stream, pending output) pair stands for: ``h + delta``, rounded as the add rounds."""
+    return h if delta is None else h + delta
+
+
+def final_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """``norm(h + delta)``, the last layer's pending add fused into it."""
+    return norm(h) if delta is None else norm(delta, h)[0]
 
 
 class TargetHead(nn.Module):
@@ -265,7 +278,7 @@ class TargetHead(nn.Module):
 
 class DecoderLM(TargetHead):
     """The decoder loop every target shares: the head, ``layers`` (each called as
-    ``layer(h, rotary, cos, sin, batch, layer_cache)``), a final norm and the rotary embedding."""
+    ``layer(h, delta, rotary, cos, sin, batch, layer_cache)``), a final norm and the rotary embedding."""
 
     def __init__(self, cfg, dtype: torch.dtype, group, layers: list[nn.Module], rotary: Rotary):
         super().__init__(cfg, dtype, group)
@@ -278,14 +291,14 @@ class DecoderLM(TargetHead):
         """kv_cache ``[layers, P, S, *kv_row_shape]`` -> (hidden ``[T, H]`` after the final norm, the drafter's
         context features: outputs of the decoder layers ``target_layer_ids`` concatenated ``[T, len(ids) * H]``,
         or None)."""
-        h = self.embed_tokens(batch.input_ids)
+        h, delta = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         features = []
         for i, layer in enumerate(self.layers):
-            h = layer(h, self.rotary, cos, sin, batch, kv_cache[i])
+            h, delta = layer(h, delta, self.rotary, cos, sin, batch, kv_cache[i])
             if i in target_layer_ids:
-                features.append(h)
-        return self.norm(h), (torch.cat(features, dim=-1) if features else None)
+                features.append(residual_stream(h, delta))
+        return final_norm(self.norm, h, delta), (torch.cat(features, dim=-1) if features else None)
 
     def load(self, reader: CheckpointReader):
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...)."""
