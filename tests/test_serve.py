@@ -391,6 +391,12 @@ def test_metrics_in_prometheus_format(server):
         assert name in text, name
     assert metric(f"{server}/chat", "kdray_acceptance_length_count", KEY) >= 1
     assert metric(f"{server}/chat", "kdray_generation_tokens_total", KEY) >= 4
+    # a streamed request's first token, timed from its arrival at the replica's handler
+    before = metric(f"{server}/chat", "kdray_server_time_to_first_token_seconds_count", KEY)
+    chunks = client(f"{server}/chat", KEY).chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=4,
+                                                                    stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert metric(f"{server}/chat", "kdray_server_time_to_first_token_seconds_count", KEY) == before + 1
     drafts = metric(f"{server}/chat", "kdray_spec_decode_num_drafts_total", KEY)
     # chain drafting verifies the whole block (block size - 1 tokens) per draft
     assert metric(f"{server}/chat", "kdray_spec_decode_num_draft_tokens_total", KEY) % drafts == 0

@@ -141,7 +141,7 @@ def test_tokenization_runs_off_the_event_loop():
     server = OpenAIServing(engine, "m")
 
     async def scenario():
-        server._generate = lambda req, prompts, chat, echo: asyncio.sleep(0, prompts)  # stop before the engine
+        server._generate = lambda req, prompts, arrived, chat, echo: asyncio.sleep(0, prompts)  # stop before the engine
         pending = asyncio.ensure_future(server.completions({"model": "m", "prompt": "a long text"}))
         await asyncio.sleep(0.05)  # the loop runs while the tokenizer works
         tokenizer.release.set()

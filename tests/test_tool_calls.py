@@ -71,7 +71,7 @@ class FakeStream:
 def streamed(response: _Response, outs: list[RequestOutput]) -> dict:
     """The message a client assembles from the SSE deltas: content, tool calls, finish reason."""
     async def collect():
-        return [event async for event in response.sse(FakeStream(outs))]
+        return [event async for event in response.sse(FakeStream(outs), lambda: None)]
 
     content, calls, finish = "", [], None
     for event in asyncio.run(collect()):

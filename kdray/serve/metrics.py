@@ -79,6 +79,9 @@ class Metrics:
                               labels=("finished_reason",))
         self.ttft = metric("histogram", "kdray_time_to_first_token_seconds", "Submission to first generated token",
                            buckets=_LATENCY)
+        self.server_ttft = metric("histogram", "kdray_server_time_to_first_token_seconds",
+                                  "A streamed request's arrival at the replica's handler (before its chat template and "
+                                  "tokenizer) to its first token's chunk", buckets=_LATENCY)
         self.tpot = metric("histogram", "kdray_time_per_output_token_seconds",
                            "Mean time per token after the first, per request", buckets=_LATENCY)
         self.e2e = metric("histogram", "kdray_e2e_request_latency_seconds", "Submission to the last token",

@@ -64,6 +64,7 @@ class OpenAIServing:
 
     async def completions(self, data: dict) -> dict | AsyncIterator[str]:
         """``POST /v1/completions``: a response body, or SSE text when ``stream`` is true."""
+        arrived = time.perf_counter()
         req = validate(CompletionRequest, data)
         self._check_model(req.model)
         self._check_size(len(req.prompt), req.n)
@@ -72,16 +73,18 @@ class OpenAIServing:
         if req.echo:  # the prompts' text, before each choice's
             echo = await asyncio.to_thread(lambda: [p if isinstance(p, str) else self._decode(p, "echo")
                                                     for p in req.prompt])
-        return await self._generate(req, prompts, chat=False, echo=echo)
+        return await self._generate(req, prompts, arrived, chat=False, echo=echo)
 
     async def chat(self, data: dict) -> dict | AsyncIterator[str]:
         """``POST /v1/chat/completions``: the prompt is the tokenizer's chat template over ``messages`` (and
         ``tools``, ``documents``, ...); tool calls in the reply are parsed unless ``tool_choice`` is "none"."""
+        arrived = time.perf_counter()
         req = validate(ChatCompletionRequest, data)
         self._check_model(req.model)
         self._check_size(1, req.n)
         ids = await asyncio.to_thread(self._render, req)
-        return await self._generate(req, [ids], chat=True, tools=self.tool_calls if req.parses_tool_calls else None)
+        tools = self.tool_calls if req.parses_tool_calls else None
+        return await self._generate(req, [ids], arrived, chat=True, tools=tools)
 
     async def tokenize(self, data: dict) -> dict:
         """``POST /tokenize`` (vLLM's): the token ids of a ``prompt``, or of ``messages`` rendered for chat."""
@@ -188,8 +191,10 @@ class OpenAIServing:
                            code="context_length_exceeded")
         return wanted
 
-    async def _generate(self, req: GenerationRequest, prompts: list[list[int]], chat: bool,
+    async def _generate(self, req: GenerationRequest, prompts: list[list[int]], arrived: float, chat: bool,
                         echo: list[str] | None = None, tools: ToolCallParser | None = None):
+        """The engine's requests for ``prompts``; their response body, or SSE text (``arrived``: when the handler
+        began, for the server-side time to first token)."""
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
@@ -223,7 +228,8 @@ class OpenAIServing:
                 raise APIError(400, str(e), param=name, code="invalid_value") from None
             raise APIError(400, str(e), code="invalid_prompt") from None
         if req.stream:
-            return response.sse(stream)
+            ttft = self.engine.metrics.server_ttft
+            return response.sse(stream, lambda: ttft.observe(time.perf_counter() - arrived))
         try:
             final: dict[str, RequestOutput] = {}
             async for out in stream:
@@ -370,9 +376,10 @@ class _Response:
         return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
                 "top_logprobs": [None if r[2] is None else dict(r[2]) for r in rows], "text_offset": offsets}
 
-    async def sse(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def sse(self, stream: RequestStream, first_token: Callable[[], None]) -> AsyncIterator[str]:
         """SSE text: per choice, the role first (chat) or, with its first output, the echoed prompt (and its
-        log-probabilities), then deltas, then the finish reason."""
+        log-probabilities), then deltas, then the finish reason; ``first_token()`` is called as the first chunk
+        with a generated token goes out."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         sent = [_Sent() for _ in range(self.choices)]
         try:
@@ -396,6 +403,9 @@ class _Response:
                 if text or ids or tool_calls or finish:
                     choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs)
                     yield sse({**self._head(obj), "choices": [choice]})
+                    if ids and first_token is not None:
+                        first_token()
+                        first_token = None
             if self.include_usage:
                 yield sse({**self._head(obj), "choices": [],
                            "usage": usage(self.prompt_tokens, sum(s.ids for s in sent))})
