@@ -43,6 +43,12 @@ def _kernel(name: str, kernel: str, device_index: int, defines: tuple[tuple[str,
     return [load_module(name, device_index, defines).get_function(kernel), 48 * 1024]
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The device's streaming multiprocessors (what kernels size their grids by)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``[..., n]`` as ``[rows, n]`` with unit stride along n: a view when the layout allows one, else a copy."""
     t = t if t.stride(-1) == 1 else t.contiguous()

@@ -13,14 +13,13 @@ the reference) is ``F.linear``.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdray.kernels.cuda_module import launch
+from kdray.kernels.cuda_module import launch, sm_count
 
 MAX_ROWS = 1  # rows of x that take the kernel (H200: cuBLAS wins at 8)
 ROWS_PER_BLOCK = 32  # WARPS * RPW in the .cu
@@ -53,7 +52,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, dev = x2.shape[0], x.device
     y = torch.empty(M, N, dtype=x.dtype, device=dev)  # [M, N]
     groups = math.ceil(N / ROWS_PER_BLOCK)
-    splits = k_splits(groups, K // K_STEP, _sm_count(dev.index))
+    splits = k_splits(groups, K // K_STEP, sm_count(dev.index))
     work = torch.empty(splits, M, N, dtype=torch.float32, device=dev) if splits > 1 else y  # [S, M, N] partials
     tickets = _tickets(w) if splits > 1 else y
     launch("skinny_linear", "skinny_linear", (groups, splits), (ROWS_PER_BLOCK * 8,),
@@ -66,11 +65,6 @@ def k_splits(groups: int, steps: int, sm_count: int) -> int:
     """The K split: the largest divisor of the K steps that keeps the grid within ``WAVES`` blocks per SM."""
     cap = max(1, WAVES * sm_count // groups)
     return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= cap)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}

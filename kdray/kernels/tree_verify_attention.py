@@ -149,7 +149,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     """Check and launch one batch on q's device and torch's current stream; ``mma_sync`` forces the sm_80 path."""
     import numpy as np
 
-    from kdray.kernels.cuda_module import launch
+    from kdray.kernels.cuda_module import launch, sm_count
 
     T, hq, dk = q.shape
     B, max_pages = block_table.shape
@@ -181,7 +181,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     group = hq // kv_heads
     n_splits = 1
     if mma is not None:
-        slots = torch.cuda.get_device_properties(dev).multi_processor_count * mma[2]
+        slots = sm_count(dev.index) * mma[2]
         n_splits = _num_splits(kv_heads * -(-T * group // _TILE), -(-max_pages * page_size // _TILE), slots)
     out_bytes, o_bytes = T * hq * dv * q.element_size(), n_splits * T * hq * dv * 2
     ws_bytes = o_bytes + n_splits * T * hq * 8 if n_splits > 1 else 0

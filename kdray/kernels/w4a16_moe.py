@@ -28,13 +28,13 @@ staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kdray.kernels.cuda_module import sm_count
 from kdray.kernels.int4 import dequantize_int4
 
 KC = 256  # k per pipeline stage
@@ -123,11 +123,6 @@ def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor
     return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _check_cuda(x, operands: dict, E: int, H: int, I: int, k: int, group: int):
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the CUDA w4a16_moe takes bf16 activations, got {x.dtype}")
@@ -186,7 +181,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     if T == 0:
         return out
-    sms, slots = _sm_count(dev.index), T * k
+    sms, slots = sm_count(dev.index), T * k
     variant = variant or _choose_variant(E, H, I, slots)
     if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
