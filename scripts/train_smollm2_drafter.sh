@@ -9,8 +9,10 @@
 #    OUT_DIR/e2e.{md,json,png}; with CORPUS, benchmarks/drafter_tau.py too: held-out tau per category against the
 #    shipped drafter -> OUT_DIR/drafter_tau.{md,json}.
 # Copy OUT_DIR/drafter/{config.json,model.safetensors} to kdray/assets/drafters/smollm2-135m/ to ship it.
-# The defaults are the shipped drafter's run (H200, 2026-11-29: 2048 prompts regenerated in 81 s, 2115 steps in
-# 74 s; its log: benchmarks/results/smollm2-drafter-train_log.json). Environment overrides:
+# The shipped drafter is CORPUS=corpus/ TRAIN="--total-train-seconds 330" on the corpus of `kdray drafter-corpus
+# build` + `generate` (H200, 2026-12-01; its log: benchmarks/results/smollm2-drafter-corpus-train_log.json, which ran
+# with --checkpoints 2). Without CORPUS the script trains on pydoc topics, the previous drafter's run (2026-11-29:
+# 2048 prompts regenerated in 81 s, 2115 steps in 74 s). Environment overrides:
 #   CORPUS=corpus/      train on a built corpus with generated responses (python -m kdray.drafter_corpus)
 #   TRAIN="..."         the schedule, e.g. "--steps 20000" or "--total-train-seconds 3600" (default: --steps 2115)
 #   RUN_SECONDS=480     stop this run after that much training time; rerun the same command to continue (it passes
