@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdray.kernels.tree_verify_attention import (_mma_smem_bytes, _num_splits, _tree_attention_cuda,
+from kdray.kernels.tree_verify_attention import (_mma_smem_bytes, _num_splits, _tickets, _tree_attention_cuda,
                                                  gqa_tree_attention, mla_tree_attention, tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
@@ -142,12 +142,17 @@ def test_launch_geometry():
 # --- GPU: the kernels against the reference ------------------------------------------------------------------
 
 MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
-    "one-token": ([1], [0], 8, 16),
+    "one-token": ([1], [0], 8, 16),  # one split
     "ragged": ([5, 64, 17, 0], [100, 0, 333, 7], 8, 16),
     "heads64": ([33, 2], [70, 200], 64, 64),
     "tree256": ([256, 3], [1000, 64], 8, 64),
-    "tree1024": ([1024], [77], 8, 16),
+    "tree1024": ([1024], [77], 8, 16),  # one split: 128 tiles fill the GPU
     "split-k": ([16, 1], [5000, 0], 8, 64),
+    "decode": ([1], [4096], 8, 64),  # K2's TP8 shard at one query: 22 splits of 3 key tiles
+    "decode-32k": ([1], [32767], 8, 16),  # 65 splits of 8
+    "decode-ragged": ([1] * 16, [4095, 1, 63, 64, 65, 1000, 2047, 0, 129, 3333, 17, 511, 4097, 7, 255, 100], 8, 16),
+    "decode-heads64": ([1, 1], [4095, 200], 64, 64),  # full 64-row tiles at one query
+    "tree9": ([9], [2001], 8, 16),  # a 64-row tile and an 8-row tile: different splits per tile
 }
 
 
@@ -196,6 +201,8 @@ GQA_CASES = {  # name: (q_lens, prefixes, Hq, Hkv, D, page_size)
     "smollm-ragged": ([1, 64, 9], [0, 129, 1000], 9, 3, 64, 16),
     "llama-tree1024": ([1024, 3], [50, 4000], 32, 8, 128, 64),
     "mha-split": ([7], [3000], 4, 4, 128, 16),
+    "smollm-decode": ([1], [4095], 9, 3, 64, 64),
+    "llama-decode": ([1, 1, 1], [4097, 63, 1000], 32, 8, 128, 16),
 }
 
 
@@ -232,6 +239,46 @@ def test_mla_cuda_graph_replay_equals_eager():
     assert torch.equal(static_out, eager)
 
 
+REPEAT_CASES = {  # name: (q_lens, prefixes, Hq, Hkv or None (MLA), D, page_size)
+    "mla-decode": ([1], [4096], 8, None, MLA_DK, 64),
+    "mla-decode-ragged": ([1, 1, 1, 1], [4095, 1, 333, 2048], 8, None, MLA_DK, 16),
+    "mla-split-k": ([16, 1], [5000, 0], 8, None, MLA_DK, 64),
+    "llama-decode": ([1, 1, 1], [4097, 63, 1000], 32, 8, 128, 16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(REPEAT_CASES))
+def test_repeated_calls_and_graph_replays_agree(name):
+    """Three eager calls and two replays of a captured one write the same bits into a poisoned output, and every
+    ticket is zero after each run (a ticket left behind would merge a later launch's tile early or never)."""
+    q_lens, prefixes, hq, hkv, d, page = REPEAT_CASES[name]
+    scale = 0.13
+    case = make_case(q_lens, prefixes, heads=hq, kv_heads=hkv, head_dim=d, page_size=page, dtype=torch.bfloat16,
+                     device="cuda", seed=zlib.crc32(name.encode()))
+    fn = ((lambda *a, out: mla_tree_attention(*a, scale, MLA_DV, out=out)) if hkv is None  # noqa: E731
+          else (lambda *a, out: gqa_tree_attention(*a, scale, out=out)))
+    shape = (case[0].shape[0], hq, MLA_DV if hkv is None else d)
+    tickets = _tickets(case[0].device)
+    first = _run(fn, case, shape, torch.bfloat16)
+    ref = _reference(case, hkv, scale)
+    assert _rel_err(first, ref) < 2e-2, _where_wrong(first, ref)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        assert not tickets.any()
+        assert torch.equal(_run(fn, case, shape, torch.bfloat16), first)
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*case, out=out)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not tickets.any()
+        assert torch.equal(out, first)
+
+
 @pytest.mark.gpu
 def test_cuda_inputs_are_checked():
     q, cache, bt, pl, cu, mask = make_case([4], [3], heads=8, page_size=16, dtype=torch.bfloat16, device="cuda")
@@ -241,4 +288,13 @@ def test_cuda_inputs_are_checked():
         mla_tree_attention(q.transpose(0, 1).contiguous().transpose(0, 1), cache, bt, pl, cu, mask, 0.1, MLA_DV)
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         mla_tree_attention(q.half(), cache.half(), bt, pl, cu, mask, 0.1, MLA_DV)
+    odd = torch.empty(q.shape[0] * 8 * MLA_DV + 1, dtype=torch.bfloat16, device="cuda")[1:].view(-1, 8, MLA_DV)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mla_tree_attention(q, cache, bt, pl, cu, mask, 0.1, MLA_DV, out=odd)
+    q48, cache48, *rest48 = make_case([4], [3], heads=8, page_size=48, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="page size 48 .*power of two"):
+        mla_tree_attention(q48, cache48, *rest48, 0.1, MLA_DV)
+    gq, gcache, *grest = make_case([2], [3], heads=2, kv_heads=1, head_dim=1024, page_size=4, device="cuda")
+    with pytest.raises(ValueError, match="value head dim 1024 .*1 to 512"):
+        gqa_tree_attention(gq, gcache, *grest, 0.1)
     assert math.isfinite(float(mla_tree_attention(q, cache, bt, pl, cu, mask, 0.1, MLA_DV).float().sum()))

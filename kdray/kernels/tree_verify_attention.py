@@ -18,12 +18,25 @@ GQA form (Llama family): ``q [T, Hq, D]``, ``kv_cache [P, S, 2, Hkv, D]`` (keys 
 output ``[T, Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
 
 CUDA tensors run the kernels in ``cuda/tree_verify_attention.cu`` (tensor cores for bf16 with the head dims
-in ``_MMA``, a CUDA-core fallback for fp32 and other dims); no host sync, one allocation (the output), so a
-verify step can be captured in a CUDA graph. CPU tensors run the torch reference below.
+in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch, no host sync, one allocation (the
+output), so a verify step can be captured in a CUDA graph. CPU tensors run the torch reference below.
+
+Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the
+grid gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once (``_num_splits``). The kernel then
+cuts a sequence of ``nb`` key tiles into runs of ``per`` tiles; every run writes a partial and the tile's last
+CTA merges them. Cost model, both terms bytes through one SM: the slowest run streams ``per`` key tiles
+(64 cache rows each: 72 KiB for K2) and the merging CTA reads ``nb / per`` partials of ``rows * Dv * 2`` bytes
+(``rows``: the tile's real rows). Their sum is least at ``per = sqrt(nb * rows * Dv * 2 / key-tile bytes)``,
+which the kernel takes (rounded, and at least ``nb / n_splits``). At one K2 query with a 4096 prefix (``nb`` =
+65, 8 rows) that is 22 runs of 3 tiles, merging 176 KiB, where filling the GPU took 65 runs of one tile and
+merged 520 KiB; a 64-row tile (64-node tree) gets 9 runs of 8.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from kdray.kernels.cuda_module import launch, sm_count
 
 
 def _visible(tree_mask_b: torch.Tensor, prefix: int, q_len: int) -> torch.Tensor:
@@ -118,11 +131,11 @@ def gqa_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 # --- CUDA launch (kernels in cuda/tree_verify_attention.cu) -------------------------------------------------
 #
 # bf16 with a head-dim pair below runs the tensor-core kernel: grid (64-row tiles, key splits, KV heads); a
-# sequence's ceil(q_len * G / 64) tiles are numbered consecutively, so q.shape[0] * G // 64 + B tiles always
-# suffice and the surplus CTAs return at once. When that leaves SMs idle, the key range is cut into
-# n_splits runs whose normalised partials (bf16 [n_splits, T*Hq, Dv] plus fp32 (max, sum) pairs) tva_combine
-# merges; the partials share the output's single allocation. Everything else (fp32; other head dims) runs
-# the CUDA-core kernel tva_simt_*, one CTA per output row.
+# sequence's ceil(q_len * G / 64) tiles are numbered consecutively, so ceil(T * G / 64) + min(B, T) - 1 tiles
+# always suffice and the surplus CTAs return at once. With n_splits > 1 the partials (bf16 [n_splits, T*Hq, Dv]
+# normalised by their own row sums, plus fp32 [n_splits, T*Hq] (max, sum) pairs) share the output's single
+# allocation, and each (tile, KV head) counts its arrived CTAs in the device's tickets. Everything else (fp32;
+# other head dims) runs the CUDA-core kernel tva_simt_*, one CTA per output row.
 
 _MODULE = "tree_verify_attention"
 _TILE = 64  # rows per CTA and keys per tile (BM, BN in the .cu)
@@ -131,6 +144,7 @@ _MMA = {  # (Dk, Dv, values inside the key row) -> (kernel, warpgroups, CTAs tha
     (64, 64, False): ("tva_mma_gqa64", 1, 4),
     (128, 128, False): ("tva_mma_gqa128", 1, 2),
 }
+_SLOTS_PER_SM = max(m[2] for m in _MMA.values())
 
 
 def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
@@ -140,17 +154,31 @@ def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
 
 
 def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
-    """Key splits so that ``tiles`` CTAs fill the ``slots`` (SMs x CTAs per SM) about once, at most one per key tile."""
+    """Key splits in the grid: ``tiles`` CTAs fill the ``slots`` (SMs x CTAs per SM) at most once, at most one
+    split per key tile of the block table; the kernel uses as many of them as its cost model asks."""
     return max(1, min(slots // max(tiles, 1), key_tiles))
+
+
+_TICKETS: dict[int, torch.Tensor] = {}
+
+
+def _tickets(dev: torch.device) -> torch.Tensor:
+    """The device's split tickets, one per (tile, KV head): int32 ``[SMs * _SLOTS_PER_SM]``, zero between launches
+    (each tile's last CTA zeroes its own). Splits need ``tiles <= slots // 2``, so they always fit. Launches on one
+    device run in stream order. Made at the device's first launch, which must be eager: memory taken inside a graph
+    capture would belong to that graph's pool."""
+    t = _TICKETS.get(dev.index)
+    if t is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the first tree-verify attention on a device is inside a CUDA graph capture; run the "
+                               "captured function eagerly once first")
+        t = _TICKETS[dev.index] = torch.zeros(_SLOTS_PER_SM * sm_count(dev.index), dtype=torch.int32, device=dev)
+    return t
 
 
 def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, *, kv_heads, dv,
                          row_stride, v_off, out=None, mma_sync=False):
     """Check and launch one batch on q's device and torch's current stream; ``mma_sync`` forces the sm_80 path."""
-    import numpy as np
-
-    from kdray.kernels.cuda_module import launch, sm_count
-
     T, hq, dk = q.shape
     B, max_pages = block_table.shape
     page_size = kv_cache.shape[1]
@@ -168,25 +196,27 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens), ("cu_q", cu_q)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if page_size & (page_size - 1):
-        raise ValueError(f"page size {page_size} is not a power of two")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page size {page_size} is not supported: it must be a power of two")
     if out is not None and (out.shape != (T, hq, dv) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{T}, {hq}, {dv}], got {out.dtype} {tuple(out.shape)}")
     mma = _MMA.get((dk, dv, v_off == 0)) if q.dtype == torch.bfloat16 else None
     if mma is None and dv > 512:
-        raise ValueError(f"value head dim {dv} > 512 is not supported by the CUDA-core kernel")
-    if mma is not None and (q.data_ptr() % 16 or kv_cache.data_ptr() % 16):
-        raise ValueError("q and kv_cache must be 16-byte aligned for the tensor-core kernel")
+        raise ValueError(f"value head dim {dv} is not supported by the CUDA-core kernel: it takes 1 to 512 "
+                         f"(the tensor-core kernel takes bf16 (Dk, Dv) in {sorted(k[:2] for k in _MMA)})")
+    if mma is not None and any(t.data_ptr() % 16 for t in (q, kv_cache) + ((out,) if out is not None else ())):
+        raise ValueError("q, kv_cache and out must be 16-byte aligned for the tensor-core kernel")
 
     group = hq // kv_heads
+    tiles = -(-T * group // _TILE) + min(B, T) - 1  # >= sum over sequences of ceil(q_len * G / 64)
     n_splits = 1
-    if mma is not None:
+    if mma is not None and tiles > 0:
         slots = sm_count(dev.index) * mma[2]
-        n_splits = _num_splits(kv_heads * -(-T * group // _TILE), -(-max_pages * page_size // _TILE), slots)
+        n_splits = _num_splits(kv_heads * tiles, -(-max_pages * page_size // _TILE), slots)
     out_bytes, o_bytes = T * hq * dv * q.element_size(), n_splits * T * hq * dv * 2
     ws_bytes = o_bytes + n_splits * T * hq * 8 if n_splits > 1 else 0
     if out is None:
-        buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=dev)
+        buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=dev)  # output | [n_splits] partials
         out, ws = buf[:out_bytes].view(q.dtype).view(T, hq, dv), buf[out_bytes:]
     else:
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
@@ -206,11 +236,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     kernel, warpgroups, _ = mma
     defines = (("TVA_MMA_SYNC", 1),) if mma_sync else ()
     ws_o, ws_ml = (ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (0, 0)  # 0: null pointers
-    launch(_MODULE, kernel, (T * group // _TILE + B, n_splits, kv_heads), (128 * warpgroups,),
-           inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits),),
+    launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
+           inputs + (out, ws_o, ws_ml, _tickets(dev)) + shape_args + geo_args + (i32(n_splits),),
            shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
-    if n_splits > 1:
-        launch(_MODULE, "tva_combine", (-(-T * hq * -(-dv // 128) // 4),), (128,),
-               (ws_o, ws_ml, out, cu_q, prefix_lens, i32(B), i32(T), i32(hq), i32(dv), i32(n_splits)), device=dev,
-               defines=defines)
     return out
