@@ -1,4 +1,6 @@
-// Sigmoid top-k routing (moe_route.cuh); see kernels/moe_route.py. EPL = ceil(E / 32), a compile-time define.
+// Sigmoid top-k routing (moe_route.cuh), alone or folded into the MoE's prep; see kernels/moe_route.py and
+// kernels/w4a16_moe.py. EPL = ceil(E / 32), a compile-time define.
+#include "moe_prep.cuh"
 #include "moe_route.cuh"
 
 #ifndef EPL
@@ -25,4 +27,38 @@ extern "C" __global__ void __launch_bounds__(128) moe_route(const float* __restr
     ids[t * k + lane] = id;
     weights[t * k + lane] = w;
   }
+}
+
+// moe_route then w4a16_moe's moe_prep in one launch, for T <= 32 tokens. Block 0: warp t routes token t (ids
+// and weights as moe_route writes them, the ids also kept in shared memory), then the block sorts the routed
+// slots over the n_local experts of this rank (moe_sort_slots); blocks 1..P permute x and zero acc.
+// Launch: grid (1 + P), block 1024, dynamic shared memory 4 T k + max(8 n_local, n_group > 1 ? 4 T E : 0) bytes.
+// One block per SM asked: ptxas then gives it 64 registers (EPL <= 22 without spills); left to aim at two, it
+// spills from EPL = 8.
+extern "C" __global__ void __launch_bounds__(1024, 1) moe_route_prep(
+    const float* __restrict__ logits, const float* __restrict__ bias, long long* __restrict__ ids,
+    float* __restrict__ weights, int T, int E, int k, int n_group, int topk_group, int renormalize, float scale,
+    int e0, int n_local, const uint4* __restrict__ x, uint4* __restrict__ x_perm, float4* __restrict__ acc,
+    int* __restrict__ sorted_slot, int4* __restrict__ passes, int H, int mt) {
+  if (blockIdx.x > 0) {
+    moe_permute_x(x, x_perm, acc, T, H);
+    return;
+  }
+  extern __shared__ int sm[];
+  int* routed = sm;        // [T, k] ids
+  int* work = sm + T * k;  // routing: [T, E] floats of group scratch; then sorting: [2 n_local]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp < T) {
+    int id;
+    float w;
+    route_token<EPL>(logits + warp * E, bias, E, k, n_group, topk_group, renormalize, scale, e0, n_local,
+                     reinterpret_cast<float*>(work) + warp * E, id, w);
+    if (lane < k) {
+      ids[warp * k + lane] = id;
+      weights[warp * k + lane] = w;
+      routed[warp * k + lane] = id;
+    }
+  }
+  __syncthreads();
+  moe_sort_slots(routed, work, sorted_slot, passes, T, k, n_local, mt);
 }
