@@ -1,5 +1,5 @@
-"""Two K2 TP8-shard layers on the GPU: the fused ops (rmsnorm, mla_rope_cache, moe_route, silu_mul) give the
-logits of the unfused torch code they replace, in a verify pass and a prefill pass."""
+"""Two K2 TP8-shard layers on the GPU: the fused ops (rmsnorm, mla_rope_cache, moe_route and its fold into the
+MoE's prep, silu_mul) give the logits of the unfused torch code they replace, in a verify pass and a prefill pass."""
 import pytest
 import torch
 from gpu_checks import rel_err
@@ -11,6 +11,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache_reference
 from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
 from kdray.kernels.silu_mul import silu_mul_reference
+from kdray.kernels.w4a16_moe import w4a16_moe
 from kdray.model.batch import ForwardBatch, causal_tree_mask
 
 pytestmark = pytest.mark.gpu
@@ -26,10 +27,17 @@ def unfused(monkeypatch):
     monkeypatch.setattr(layers, "add_rmsnorm", add_rmsnorm_reference)
     monkeypatch.setattr(k2, "mla_rope_cache", mla_rope_cache_reference)
     monkeypatch.setattr(k2, "moe_route", moe_route_reference)
+
+    def route_then_moe(x, w13p, w13s, w2p, w2s, logits, bias, *routing, add=None):
+        ids, weights = moe_route_reference(logits, bias, *routing)
+        return w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add), ids, weights
+
+    monkeypatch.setattr(k2, "routed_w4a16_moe", route_then_moe)
     monkeypatch.setattr(k2, "silu_mul", silu_mul_reference)
 
 
-@pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (True, [65, 40, 65])])
+@pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (False, [17, 15]),
+                                           (True, [65, 40, 65])])
 def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     cfg = k2_shard_config()
     model = random_model(cfg)

@@ -5,8 +5,10 @@ import torch.nn.functional as F
 from gpu_checks import poison_allocator, rel_err
 
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
-from kdray.kernels.w4a16_moe import (SKINNY, VARIANTS, _choose_variant, _w4a16_moe_cuda, random_int4_experts,
-                                     w4a16_moe, w4a16_moe_reference)
+from kdray.kernels.moe_route import moe_route, moe_route_reference
+from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, VARIANTS, _choose_variant,
+                                     _w4a16_moe_cuda, random_int4_experts, routed_w4a16_moe, w4a16_moe,
+                                     w4a16_moe_reference)
 
 
 def _routing(T, E, k, device="cpu", experts=None, skip=0.0, gen=None):
@@ -121,6 +123,37 @@ def test_shape_errors_are_clear():
         w4a16_moe(torch.randn(3, 64), w13p, w13s, w2p, w2s, ids.int(), weights)
 
 
+def _router(T, E, device="cpu", gen=None):
+    """Router logits ``[T, E]`` and a non-negative correction bias ``[E]`` (fp32; no exact ties among choices)."""
+    return (2 * torch.randn(T, E, device=device, generator=gen),
+            0.1 * torch.rand(E, device=device, generator=gen))
+
+
+def test_routed_moe_composes_the_references():
+    torch.manual_seed(4)
+    T, H, I, E, k = 5, 64, 32, 8, 2
+    w13p, w13s, w2p, w2s = _quantized_experts(E // 2, H, I)
+    x, add = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
+    logits, bias = _router(T, E)
+    routing = (k, 2, 1, True, 2.827, (4, 4))  # expert parallelism: the second half of the experts
+    out, ids, weights = routed_w4a16_moe(x, w13p, w13s, w2p, w2s, logits, bias, *routing, add=add)
+    ref_ids, ref_weights = moe_route_reference(logits, bias, *routing)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    assert torch.equal(out, w4a16_moe_reference(x, w13p, w13s, w2p, w2s, ref_ids, ref_weights, add))
+
+
+def test_routed_moe_shape_errors_are_clear():
+    w13p, w13s, w2p, w2s = _quantized_experts(4, 64, 32)
+    x = torch.randn(3, 64)
+    logits, bias = _router(3, 8)
+    with pytest.raises(ValueError, match="w13_packed hold the 8 experts of local_experts=None"):
+        routed_w4a16_moe(x, w13p, w13s, w2p, w2s, logits, bias, 2, 1, 1, True, 1.0, None)
+    with pytest.raises(ValueError, match="T = 2 rows"):
+        routed_w4a16_moe(x[:2], w13p, w13s, w2p, w2s, logits, bias, 2, 1, 1, True, 1.0, (0, 4))
+    with pytest.raises(ValueError, match="n_group"):
+        routed_w4a16_moe(x, w13p, w13s, w2p, w2s, logits, bias, 2, 3, 1, True, 1.0, (0, 4))
+
+
 # ---------------------------------------------------------------- GPU: the CUDA kernels against the reference
 
 
@@ -221,3 +254,74 @@ def test_cuda_rejects_unsupported_shapes():
     ids, weights = _routing(3, 2, 1, "cuda")
     with pytest.raises(ValueError, match="multiples of 64"):
         w4a16_moe(torch.randn(3, 96, device="cuda", dtype=torch.bfloat16), w13p, w13s, w2p, w2s, ids, weights)
+
+
+ROUTED_SHAPES = [  # T, E, k, n_group, topk_group, local experts (e0, n): routing folded into the prep up to the bound
+    (1, 384, 8, 1, 1, None),  # K2 decode
+    (2, 384, 8, 1, 1, None),
+    (7, 256, 8, 8, 4, None),  # DeepSeek-V3 groups
+    (16, 384, 8, 1, 1, (96, 96)),  # expert parallelism: rank 1 of 4
+    (ROUTE_PREP_MAX_T, 384, 8, 1, 1, None),
+    (ROUTE_PREP_MAX_T, ROUTE_PREP_MAX_E, 8, 4, 2, (320, 320)),  # group scratch past 48 KB of shared memory
+    (ROUTE_PREP_MAX_T, 32, 8, 4, 2, None),  # 8 rows per expert: the tile path (x permuted in the prep)
+    (ROUTE_PREP_MAX_T + 1, 384, 8, 1, 1, None),  # above the bound: moe_route, then moe_prep
+]
+
+
+def _route_then_moe(x, int4, logits, bias, routing, add):
+    ids, weights = moe_route(logits, bias, *routing)
+    return w4a16_moe(x, *int4, ids, weights, add), ids, weights
+
+
+def _assert_same(fused, unfused):
+    """Ids and weights bit-equal; outputs equal up to the order of the fp32 reductions (a last-bit bf16 flip)."""
+    out, ids, weights = fused
+    assert torch.equal(ids, unfused[1]) and torch.equal(weights, unfused[2])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, unfused[0], rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,n_group,topk_group,local", ROUTED_SHAPES)
+def test_cuda_routed_moe_equals_route_then_moe(T, E, k, n_group, topk_group, local):
+    gen = torch.Generator("cuda").manual_seed(T * 131 + E + n_group)
+    H, I = 1024, 256
+    int4 = random_int4_experts(E if local is None else local[1], H, I, "cuda", gen)
+    routing = (k, n_group, topk_group, True, 2.827, local)
+    for _ in range(2):  # fresh inputs each round
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.05
+        logits, bias = _router(T, E, "cuda", gen)
+        poison_allocator()
+        fused = routed_w4a16_moe(x, *int4, logits, bias, *routing, add=add)
+        poison_allocator()
+        _assert_same(fused, _route_then_moe(x, int4, logits, bias, routing, add))
+        out, ids, weights = fused
+        assert rel_err(out, w4a16_moe_reference(x.float(), *int4, ids, weights) + add.float()) < 1e-2
+        skipped = (ids < 0).all(1)  # no expert on this rank
+        assert torch.equal(out[skipped], add[skipped])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,n_group", [(1, 1), (ROUTE_PREP_MAX_T, 4)])
+def test_cuda_routed_moe_graph_replay_equals_route_then_moe(T, n_group):
+    gen = torch.Generator("cuda").manual_seed(6 + T)
+    H, I, E, k = 1024, 256, 384, 8
+    int4 = random_int4_experts(E, H, I, "cuda", gen)
+    routing = (k, n_group, min(2, n_group), True, 2.827, None)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    logits, bias = _router(T, E, "cuda", gen)
+    routed_w4a16_moe(x, *int4, logits, bias, *routing)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        static = routed_w4a16_moe(x, *int4, logits, bias, *routing)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):  # new activations and router logits in the captured buffers
+        x.copy_(torch.randn(T, H, device="cuda", generator=gen))
+        logits.copy_(_router(T, E, "cuda", gen)[0])
+        for t in static:
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+        graph.replay()
+        _assert_same(static, _route_then_moe(x, int4, logits, bias, routing, None))

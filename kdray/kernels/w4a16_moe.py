@@ -1,4 +1,4 @@
-"""Routed-expert MoE with INT4 (W4A16) expert weights: ``w4a16_moe``.
+"""Routed-expert MoE with INT4 (W4A16) expert weights: ``w4a16_moe``; with the routing, ``routed_w4a16_moe``.
 
 ``out[t] = sum_j topk_weights[t, j] * W2[e] @ (silu(W1[e][:I] @ x[t]) * (W1[e][I:] @ x[t]))`` with
 ``e = topk_ids[t, j]``; an id of -1 means "expert not on this rank" and is skipped. Weights are
@@ -15,6 +15,8 @@ verify step's MoE can be captured in a CUDA graph:
 1. ``moe_prep``: block 0 sorts the (token, slot) pairs by expert (histogram + prefix sum) and cuts each
    expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
    ldmatrix loads read (see the .cu; not needed by the skinny path) and zero the fp32 output accumulator.
+   ``routed_w4a16_moe`` at few tokens launches ``moe_route_prep`` (``cuda/moe_route.cu``) instead: block 0
+   routes the tokens (``moe_route``'s math, a warp per token) before it sorts them.
 2. ``moe_up_*``: per (pass, N tile) the gate/up GEMM with INT4 dequantized in registers, SiLU(gate) * up
    fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
 3. ``moe_down_*``: the down GEMM over ``h``; each row scaled by its routing weight and added
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from kdray.kernels.cuda_module import sm_count
 from kdray.kernels.int4 import dequantize_int4
+from kdray.kernels.moe_route import check_cuda_routing, check_routing, moe_route, route_launch
 
 KC = 256  # k per pipeline stage
 THREADS = 256  # 8 warps per GEMM block
@@ -47,12 +50,17 @@ SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
+ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
+ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
 
-def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights) -> tuple[int, int, int, int]:
+def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None
+            ) -> tuple[int, int, int, int]:
     """Check the operands against each other; return ``(E, H, I, group)``."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
+        raise ValueError(f"add must be {x.dtype} {tuple(x.shape)} like x, got {add.dtype} {tuple(add.shape)}")
     T, H = x.shape
     if w13_packed.dim() != 3 or w2_packed.dim() != 3:
         raise ValueError(f"w13_packed / w2_packed must be [E, out, in/8], got {tuple(w13_packed.shape)} / "
@@ -81,7 +89,7 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
 def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights,
                         add: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add)."""
-    E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+    E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
@@ -116,11 +124,40 @@ def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor
     ``w13_packed [E, 2I, H/8]`` int32, ``w13_scale [E, 2I, H/g]`` bf16, ``w2_packed [E, H, I/8]`` int32,
     ``w2_scale [E, H, I/g]`` bf16, ``topk_ids [T, k]`` int64 (-1 = skip), ``topk_weights [T, k]`` fp32.
     """
-    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
-        raise ValueError(f"add must be {x.dtype} {tuple(x.shape)} like x, got {add.dtype} {tuple(add.shape)}")
     if x.is_cuda:
         return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
+
+
+def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                     w2_scale: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                     topk_group: int, renormalize: bool, scale: float, local_experts: tuple[int, int] | None,
+                     add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_route` then :func:`w4a16_moe` -> ``(out [T, H], ids [T, k] int64, weights [T, k] fp32)``.
+
+    ``logits [T, E]`` fp32 and ``bias [E]`` fp32 are the router's; the routing arguments are moe_route's (all
+    given), the experts ``w13_packed [E_local, 2I, H/8]`` etc. those of ``local_experts`` (all E without it).
+    On a GPU, 1 <= T <= ``ROUTE_PREP_MAX_T`` tokens over E <= ``ROUTE_PREP_MAX_E`` experts are routed in the MoE's
+    prep launch (``moe_route_prep``: four launches in all); other shapes run moe_route first.
+    """
+    T, E = check_routing(logits, bias, top_k, n_group, topk_group)
+    n_local = E if local_experts is None else local_experts[1]
+    if T != x.shape[0] or w13_packed.shape[0] != n_local or logits.device != x.device:
+        raise ValueError(f"logits [T, E] must be on x's device with its T = {x.shape[0]} rows, w13_packed hold the "
+                         f"{n_local} experts of local_experts={local_experts} (E = {E}); got logits "
+                         f"{tuple(logits.shape)} on {logits.device}, w13_packed {tuple(w13_packed.shape)}")
+    if not (x.is_cuda and 1 <= T <= ROUTE_PREP_MAX_T and E <= ROUTE_PREP_MAX_E):
+        ids, weights = moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scale, local_experts)
+        return w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add), ids, weights
+    check_cuda_routing(E, top_k, n_group)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    args, defines = route_launch(logits.contiguous(), bias.contiguous(), ids, weights, top_k, n_group, topk_group,
+                                 renormalize, scale, local_experts)
+    group_scratch = 4 * T * E if n_group > 1 else 0  # a warp's E floats per token
+    out = _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add,
+                          routing=(args, defines, group_scratch))
+    return out, ids, weights
 
 
 def _check_cuda(x, operands: dict, E: int, H: int, I: int, k: int, group: int):
@@ -164,12 +201,13 @@ def _choose_variant(E: int, H: int, I: int, slots: int) -> str:
 
 
 def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
-                    variant: str | None = None) -> torch.Tensor:
+                    variant: str | None = None, routing: tuple | None = None) -> torch.Tensor:
     """The CUDA path; ``variant`` (a ``VARIANTS`` key or ``SKINNY``) overrides the choice by shape (benchmarks
-    sweep it)."""
+    sweep it). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
+    scratch) makes the prep launch write ``topk_ids`` and ``topk_weights`` first."""
     from kdray.kernels.cuda_module import launch
 
-    E, H, I, group = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights)
+    E, H, I, group = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     T, k = topk_ids.shape
     x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
     operands = dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
@@ -198,12 +236,17 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     h_width = I if variant == SKINNY else _round128(I)
     h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, h_width, dtype=torch.bfloat16, device=dev)
 
-    # moe_prep: block 0 routes (1024 threads, 2E ints of shared memory); the others permute x (a thread per
-    # 16-byte piece) and zero acc.
+    # moe_prep: block 0 sorts the slots by expert (1024 threads, 2E ints of shared memory); the others permute x
+    # (a thread per 16-byte piece) and zero acc. moe_route_prep routes the tokens in block 0 first.
     perm_blocks = min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
-    launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
-           (topk_ids, x, x_perm if x_perm is not None else 0, acc, sorted_slot, passes, i32(T), i32(k), i32(E),
-            i32(H), i32(mt)), shared_mem=8 * E, device=dev)
+    prep = (x, x_perm if x_perm is not None else 0, acc, sorted_slot, passes)
+    if routing is None:
+        launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
+               (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=dev)
+    else:
+        args, defines, group_scratch = routing
+        launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
+               shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
     if variant == SKINNY:
         launch("w4a16_moe", "moe_up_skinny", (max_passes, I // 16), (SKINNY_UP_THREADS,),
                (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I)), device=dev)

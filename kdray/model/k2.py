@@ -6,7 +6,8 @@ form over the latent cache (576 values per token and layer for K2), through the 
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
 roped key into the cache and ropes the queries, the absorbed projections are two batched GEMMs over
-``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output.
+``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
+experts at few tokens, part of the MoE's first kernel).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
-from kdray.kernels.w4a16_moe import w4a16_moe
+from kdray.kernels.w4a16_moe import routed_w4a16_moe
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, RMSNorm, Rotary
@@ -176,17 +177,17 @@ class MoE(nn.Module):
             logits = torch.mm(x, self.gate.t(), out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
         else:
             logits = F.linear(x.float(), self.gate.float())
-        ids, weights = moe_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
-                                 cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                 (self.e0, self.experts) if self.ep else None)  # [T, k] each
+        routing = (logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                   cfg.norm_topk_prob, cfg.routed_scaling_factor, (self.e0, self.experts) if self.ep else None)
         shared = None
         if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
             shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
         if self.cfg.quantization is None:
-            out = dense_experts(x, self.w13, self.w2, ids, weights)
+            out = dense_experts(x, self.w13, self.w2, *moe_route(*routing))  # ids, weights [T, k]
             out = out if shared is None else out + shared
-        else:
-            out = w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, ids, weights, shared)
+        else:  # few tokens: routed inside the MoE's first launch
+            out, _, _ = routed_w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, *routing,
+                                         add=shared)
         return self.group.all_reduce(out) if self.group.size > 1 else out
 
     def load(self, reader: CheckpointReader, prefix: str):

@@ -16,6 +16,8 @@
 // Gate and up rows of the same outputs sit in the same warp, so SiLU(gate) * up is formed in registers.
 #include <cuda_bf16.h>
 
+#include "moe_prep.cuh"
+
 typedef unsigned int u32;
 
 #define THREADS 256  // GEMM block: 8 warps
@@ -78,95 +80,17 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 #endif
 }
 
-// Exclusive prefix sum over a 1024-thread block; *total gets the sum. sums: 33 ints of shared memory.
-__device__ int block_exclusive_scan(int v, int* sums, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    int n = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += n;
-  }
-  if (lane == 31) sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int s = sums[lane], si = s;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      int n = __shfl_up_sync(0xffffffffu, si, o);
-      if (lane >= o) si += n;
-    }
-    sums[lane] = si - s;
-    if (lane == 31) sums[32] = si;
-  }
-  __syncthreads();
-  const int r = sums[warp] + incl - v;
-  *total = sums[32];
-  __syncthreads();
-  return r;
-}
-
-// Launch: grid (1 + P), block 1024, dynamic shared memory 8 * E bytes.
-// Block 0 sorts the T*k (token, slot) pairs by expert into sorted_slot (-1 / out-of-range ids dropped) and
-// writes passes[0].x = pass count, passes[1 + p] = (expert, first sorted row, rows <= mt, 0).
-// Blocks 1..P, a thread per 16-byte piece: x_perm [T, Hp] (Hp = H rounded up to 128) = x in the logical k
-// order, zero past H (skipped when x_perm is null: the skinny path reads x as it is); acc = 0.
+// Launch: grid (1 + P), block 1024, dynamic shared memory 8 * E bytes. Block 0 sorts topk_ids [T, k] by expert
+// (moe_sort_slots), blocks 1..P permute x and zero acc (moe_permute_x); see moe_prep.cuh.
 extern "C" __global__ void __launch_bounds__(1024) moe_prep(
     const long long* __restrict__ topk_ids, const uint4* __restrict__ x, uint4* __restrict__ x_perm,
     float4* __restrict__ acc, int* __restrict__ sorted_slot, int4* __restrict__ passes, int T, int k, int E,
     int H, int mt) {
-  if (blockIdx.x > 0) {
-    const int pieces = (H + 127) / 128 * 16, stride = (gridDim.x - 1) * blockDim.x;  // 16-byte pieces per row
-    for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; x_perm != nullptr && i < T * pieces; i += stride) {
-      // Piece u = 2 s + h of a chunk holds, as word c, k (32c + 8(s>>1) + 2(s&1) + h, +4) of the chunk: half h of
-      // words (s & 1) and (s & 1) + 2 of the chunk's 8-group 4c + (s >> 1).
-      const int t = i / pieces, p = i % pieces, u = p & 15, s = u >> 1;
-      u32 w[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int g = p - u + 4 * c + (s >> 1);
-        const uint4 v = 8 * g < H ? x[(size_t)t * (H / 8) + g] : make_uint4(0u, 0u, 0u, 0u);
-        w[c] = __byte_perm(s & 1 ? v.y : v.x, s & 1 ? v.w : v.z, u & 1 ? 0x7632 : 0x5410);
-      }
-      x_perm[i] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < T * H / 4; i += stride)
-      acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    return;
-  }
   extern __shared__ int sm[];
-  __shared__ int sums[33];
-  int* count = sm;       // [E]
-  int* cursor = sm + E;  // [E]
-  const int slots = T * k, tid = threadIdx.x;
-  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
-  __syncthreads();
-  for (int i = tid; i < slots; i += blockDim.x) {
-    const long long id = topk_ids[i];
-    if (id >= 0 && id < E) atomicAdd(&count[id], 1);
-  }
-  __syncthreads();
-  // Each thread owns experts [e0, e1): row offsets and pass offsets by two block scans.
-  const int per = (E + blockDim.x - 1) / blockDim.x, e0 = min(E, tid * per), e1 = min(E, e0 + per);
-  int rows = 0, npass = 0, total;
-  for (int e = e0; e < e1; ++e) {
-    rows += count[e];
-    npass += (count[e] + mt - 1) / mt;
-  }
-  int row = block_exclusive_scan(rows, sums, &total);
-  int p = block_exclusive_scan(npass, sums, &total);
-  if (tid == 0) passes[0] = make_int4(total, 0, 0, 0);
-  for (int e = e0; e < e1; ++e) {
-    const int c = count[e];
-    cursor[e] = row;
-    for (int r0 = 0; r0 < c; r0 += mt) passes[1 + p++] = make_int4(e, row + r0, min(mt, c - r0), 0);
-    row += c;
-  }
-  __syncthreads();
-  for (int i = tid; i < slots; i += blockDim.x) {
-    const long long id = topk_ids[i];
-    if (id >= 0 && id < E) sorted_slot[atomicAdd(&cursor[id], 1)] = i;
-  }
+  if (blockIdx.x > 0)
+    moe_permute_x(x, x_perm, acc, T, H);
+  else
+    moe_sort_slots(topk_ids, sm, sorted_slot, passes, T, k, E, mt);
 }
 
 // One GEMM of a pass: out[m, n] = sum_k A[m, k] * W[e][n, k] for the pass's rows m and the block's N tiles.

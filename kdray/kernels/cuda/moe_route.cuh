@@ -1,0 +1,109 @@
+// Sigmoid routing of one token by one warp; see kernels/moe_route.py. Shared by the kernels of moe_route.cu.
+// s = sigmoid(logit), choice = s + bias; with n_group > 1 only the topk_group groups of highest top-2 choice
+// sum stay eligible (the others' choice becomes 0, as HF masks them); ids = the k highest choices (ties: lower
+// id), weights = s[ids] (/ their sum + 1e-20 when renormalize) * scale. Ids outside [e0, e0 + n_local) are
+// given as -1, the others as id - e0 (expert parallelism). Expert e = 32 i + lane is held in registers
+// (PER_LANE >= ceil(E / 32) per lane); k <= 32, n_group <= 32.
+#pragma once
+
+#define FULL 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+// Warp-wide argmax of (v, i): the highest v, ties to the lowest i; every lane gets the result.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(FULL, v, o);
+    const int oi = __shfl_xor_sync(FULL, i, o);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+// Routes the token of logits [E] (all 32 lanes call it); lane j < k gets its j-th choice as (id, weight).
+// grouped: E floats of scratch for this warp alone, used when n_group > 1.
+template <int PER_LANE>
+__device__ __forceinline__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias, int E,
+                                            int k, int n_group, int topk_group, int renormalize, float scale, int e0,
+                                            int n_local, float* grouped, int& id, float& weight) {
+  const int lane = threadIdx.x & 31;
+  float s[PER_LANE], ch[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = 32 * i + lane;
+    s[i] = 0.f;
+    ch[i] = NEG_INF;  // -inf: not a candidate (past E, or already chosen)
+    if (e < E) {
+      s[i] = 1.f / (1.f + __expf(-logits[e]));
+      ch[i] = s[i] + bias[e];
+    }
+  }
+  if (n_group > 1) {
+    const int G = E / n_group;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+      if (32 * i + lane < E) grouped[32 * i + lane] = ch[i];
+    __syncwarp();
+    float gs = NEG_INF;  // lane g < n_group: group g's top-2 sum
+    if (lane < n_group) {
+      float m1 = NEG_INF, m2 = NEG_INF;
+      for (int j = 0; j < G; ++j) {
+        const float v = grouped[lane * G + j];
+        if (v > m1) {
+          m2 = m1;
+          m1 = v;
+        } else if (v > m2) {
+          m2 = v;
+        }
+      }
+      gs = m1 + m2;
+    }
+    __syncwarp();
+    unsigned keep = 0u;
+    for (int r = 0; r < topk_group; ++r) {
+      float v = gs;
+      int g = lane;
+      warp_argmax(v, g);
+      keep |= 1u << g;
+      if (lane == g) gs = NEG_INF;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int e = 32 * i + lane;
+      if (e < E && !((keep >> (e / G)) & 1u)) ch[i] = 0.f;
+    }
+  }
+  int my_e = -1;
+  float my_w = 0.f, wsum = 0.f;
+  for (int j = 0; j < k; ++j) {
+    float v = NEG_INF;
+    int e = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+      if (ch[i] != NEG_INF && (ch[i] > v || (ch[i] == v && 32 * i + lane < e))) {
+        v = ch[i];
+        e = 32 * i + lane;
+      }
+    warp_argmax(v, e);
+    const int owner = e & 31, slot = e >> 5;
+    float w = 0.f;
+    if (lane == owner) {
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i)
+        if (i == slot) {
+          w = s[i];
+          ch[i] = NEG_INF;
+        }
+    }
+    w = __shfl_sync(FULL, w, owner);
+    if (lane == j) {
+      my_e = e;
+      my_w = w;
+    }
+    wsum += w;
+  }
+  id = my_e >= e0 && my_e < e0 + n_local ? my_e - e0 : -1;
+  weight = (renormalize ? my_w / (wsum + 1e-20f) : my_w) * scale;
+}
