@@ -274,11 +274,13 @@ def _route_then_moe(x, int4, logits, bias, routing, add):
 
 
 def _assert_same(fused, unfused):
-    """Ids and weights bit-equal; outputs equal up to the order of the fp32 reductions (a last-bit bf16 flip)."""
+    """Ids and weights bit-equal; outputs equal up to the order of the fp32 atomic sums: an output near zero that
+    sums large terms of both signs can round to a bf16 a few of its own last bits away, so the absolute slack
+    is a bf16 rounding step of the largest output (seen on the H200: 6.1e-5 in 1 of 32768 outputs)."""
     out, ids, weights = fused
     assert torch.equal(ids, unfused[1]) and torch.equal(weights, unfused[2])
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, unfused[0], rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(out, unfused[0], rtol=2 ** -7, atol=2 ** -8 * unfused[0].abs().max().item())
 
 
 @pytest.mark.gpu

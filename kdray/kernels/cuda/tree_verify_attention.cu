@@ -10,8 +10,9 @@
 //            the NWG warpgroups accumulates O for DV / NWG value columns, P and the rescale factors
 //            reaching the other warpgroup through shared memory. Products: wgmma on sm_90a, mma.sync
 //            m16n8k16 elsewhere or with TVA_MMA_SYNC defined; both share every layout. With several
-//            splits (flash-decoding) each CTA writes its partial to the workspace and takes a ticket; the
-//            tile's last CTA merges the partials (out = sum_s w_s O_s / sum_s w_s) and zeroes the ticket.
+//            splits (flash-decoding) each CTA writes its partial to the workspace. One query per sequence
+//            (decode): each takes a ticket and the tile's last CTA merges the partials (out = sum_s w_s O_s /
+//            sum_s w_s) and zeroes the ticket. Otherwise tva_combine merges them, spread over the GPU.
 // tva_simt_*  any head dims, fp32 or bf16: one CTA per row on the CUDA cores (correctness fallback).
 #include <cuda_bf16.h>
 
@@ -271,13 +272,15 @@ struct MmaCfg {
   static_assert(DK % 64 == 0 && DVW % 64 == 0 && (!V_IN_K || DV <= DK), "unsupported head dims");
 
   // Key tiles per split of a sequence of nb key tiles, for a CTA tile of `rows` real rows (the cost model is in
-  // tree_verify_attention.py): per * STAGE_BYTES streamed by a split plus nb / per partials of rows * DV * 2
-  // bytes merged by the last CTA is least at per = sqrt(nb * rows * DV * 2 / STAGE_BYTES). At least
-  // ceil(nb / n_splits): the grid has n_splits.
-  static __device__ __forceinline__ int tiles_per_split(int nb, int rows, int n_splits) {
+  // tree_verify_attention.py). At least ceil(nb / n_splits): the grid has n_splits. Merged by tva_combine, just
+  // that (every split CTA busy). Merged in the kernel: per * STAGE_BYTES streamed by a split plus nb / per
+  // partials of rows * DV * 2 bytes merged by the last CTA is least at per = sqrt(nb * rows * DV * 2 / STAGE_BYTES).
+  static __device__ __forceinline__ int tiles_per_split(int nb, int rows, int n_splits, bool merge_here) {
     constexpr float RATIO = 2.f * DV / STAGE_BYTES;
+    const int fill = max(1, (nb + n_splits - 1) / n_splits);
+    if (!merge_here) return fill;
     const int best = max(1, __float2int_rn(sqrtf((float)nb * rows * RATIO)));
-    return min(nb, max(best, (nb + n_splits - 1) / n_splits));
+    return min(nb, max(best, fill));
   }
 };
 
@@ -363,7 +366,7 @@ __device__ __forceinline__ void tva_mma_body(
     const int* __restrict__ prefix_lens, const int* __restrict__ cu_q, const int* __restrict__ tree_mask,
     bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int* __restrict__ tickets, int B,
     int T, int Hq, int Hkv, int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off,
-    float scale_log2, int n_splits) {
+    float scale_log2, int n_splits, int merge_here) {
   using C = MmaCfg<DK, DV, V_IN_K, NWG>;
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
@@ -373,7 +376,7 @@ __device__ __forceinline__ void tva_mma_body(
   const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, prefix = prefix_lens[b], n_keys = prefix + q_len;
   // This tile's key tiles are cut into `used` runs of `per`; grid splits past them have nothing to do.
   const int rows = min(BM, q_len * G - tile * BM), nb = (n_keys + BN - 1) / BN;
-  const int per = C::tiles_per_split(nb, rows, n_splits), used = (nb + per - 1) / per;
+  const int per = C::tiles_per_split(nb, rows, n_splits, merge_here), used = (nb + per - 1) / per;
   if (split >= used) return;
   int kb = split * per;
   const int kb_end = min(kb + per, nb);
@@ -553,7 +556,7 @@ __device__ __forceinline__ void tva_mma_body(
       if (wg == 0 && t4 == 0) ws_ml[split * rows_total + row] = make_float2(m[e], l[e]);
     }
   }
-  if (used == 1) return;
+  if (used == 1 || !merge_here) return;  // otherwise tva_combine merges
 
   // Ticket of this (tile, KV head): release this CTA's partials, then the CTA that arrives last merges them.
   int* ticket = tickets + blockIdx.z * gridDim.x + blockIdx.x;
@@ -571,10 +574,10 @@ __device__ __forceinline__ void tva_mma_body(
   const bf16 *q, const bf16 *kv, const int *block_table, const int *prefix_lens, const int *cu_q,            \
       const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int *tickets, int B, int T, int Hq,        \
       int Hkv, int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2,   \
-      int n_splits
+      int n_splits, int merge_here
 #define TVA_MMA_PASS                                                                                        \
   q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, tickets, B, T, Hq, Hkv, page_shift,    \
-      max_pages, Qmax, W, row_stride, v_off, scale_log2, n_splits
+      max_pages, Qmax, W, row_stride, v_off, scale_log2, n_splits, merge_here
 
 // MLA latent (576-dim keys, values = their first 512 columns, one KV head).
 extern "C" __global__ void __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
@@ -586,6 +589,48 @@ extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa64(TVA_MMA_ARGS) {
 }
 extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa128(TVA_MMA_ARGS) {
   tva_mma_body<128, 128, false, 1>(TVA_MMA_PASS);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Split-K combine, when the split kernel does not merge (several query rows per sequence: one merging CTA per
+// tile would serialise what this spreads over the GPU): one warp per (output row, 128 value columns), four
+// columns a lane. Partials: ws_o [n_splits, T*Hq, DV] bf16 (each normalised by its own row sum), ws_ml
+// [n_splits, T*Hq] = (running max in log2 units, row sum); a sequence whose keys took one split has its output.
+extern "C" __global__ void __launch_bounds__(128) tva_combine(const bf16* __restrict__ ws_o,
+                                                              const float2* __restrict__ ws_ml, bf16* __restrict__ out,
+                                                              const int* __restrict__ cu_q,
+                                                              const int* __restrict__ prefix_lens, int B, int T,
+                                                              int Hq, int DV, int n_splits) {
+  const int lane = threadIdx.x & 31, chunks = (DV + 127) / 128;
+  const long long rows_total = (long long)T * Hq, item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+  const long long row = item / chunks;
+  if (row >= rows_total) return;
+  const int b = seq_of(cu_q, B, (int)(row / Hq));
+  if (b < 0) return;
+  const int nb = (prefix_lens[b] + cu_q[b + 1] - cu_q[b] + BN - 1) / BN;
+  const int per = max(1, (nb + n_splits - 1) / n_splits), used = (nb + per - 1) / per;  // as tiles_per_split
+  if (used == 1) return;
+  float mx = -INFINITY;
+  for (int s = lane; s < used; s += 32) mx = fmaxf(mx, ws_ml[s * rows_total + row].x);
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  if (mx == -INFINITY) mx = 0.f;
+  const int d = (int)(item % chunks) * 128 + 4 * lane;
+  if (d >= DV) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+#pragma unroll 8
+  for (int s = 0; s < used; ++s) {  // independent loads: unrolled so that several are in flight
+    const float2 ml = ws_ml[s * rows_total + row];
+    const float w = ml.y * exp2f(ml.x - mx);
+    const uint2 v = *reinterpret_cast<const uint2*>(ws_o + (s * rows_total + row) * DV + d);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+    acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * hi.x; acc[3] += w * hi.y;
+    wsum += w;
+  }
+  const float inv = 1.f / wsum;
+  *reinterpret_cast<uint2*>(out + row * DV + d) = make_uint2(pack_bf16(acc[0] * inv, acc[1] * inv),
+                                                             pack_bf16(acc[2] * inv, acc[3] * inv));
 }
 
 // ---------------------------------------------------------------------------------------------------
