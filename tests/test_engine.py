@@ -359,6 +359,42 @@ class CountingTokenizer(AngleTokenizer):
         return super().decode(ids)
 
 
+class CallCountingTokenizer(AngleTokenizer):
+    """Counts its decode calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids):
+        self.calls += 1
+        return super().decode(ids)
+
+
+def run_final_only(engine, prompts, params):
+    """``run`` with ``step(stream=False)``: each output is a finished request's, reported once."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(stream=False):
+            assert out.finished and out.request_id not in done
+            done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_final_only_steps_report_the_finished_requests_text_made_once():
+    prompts = [[1, 2, 3], [4] * 9, [5, 6], [7]]
+    eos = expected(prompts[3], 9)[8]
+    params = [SamplingParams(max_tokens=n, ignore_eos=i < 3) for i, n in enumerate((7, 12, 1, 30))]
+    streamed = run(make_engine(FakeRunner(accept=3), tokenizer=AngleTokenizer(), eos=(eos,)), prompts, params)
+    tok = CallCountingTokenizer()
+    final = run_final_only(make_engine(FakeRunner(accept=3), tokenizer=tok, eos=(eos,)), prompts, params)
+    key = lambda o: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)  # noqa: E731
+    assert [key(o) for o in final] == [key(o) for o in streamed]
+    assert final[3].outputs[0].finish_reason == "stop" and final[3].outputs[0].text
+    assert tok.calls <= 4 * len(prompts)  # the window, the context and the flush once per request, not per step
+
+
 def test_host_work_per_token_does_not_grow_with_the_output_length():
     """Text grows by incremental detokenization and stop strings are looked for in the new text only, so the
     decoding work per token is the same for a long output as for a short one (not quadratic)."""

@@ -118,12 +118,13 @@ class Engine:
     def free_pages(self) -> int:
         return self.scheduler.pool.free_pages()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream: bool = True) -> list[RequestOutput]:
         """Launch the next step on the device, then apply the one before it while this one runs: the host is one
         step behind. Prefill what the scheduler admits, step what runs, report every request that emitted tokens
-        or finished. Tokens a request produced after its end (found one step late) are discarded; its pages come
-        back once no step in flight can write them. A request with a grammar masks its next step by its tokens so far,
-        so while one is in flight the step before is applied first (that step pipelines nothing).
+        or finished (``stream``), or only those that finished (their text then made once, at the end). Tokens a
+        request produced after its end (found one step late) are discarded; its pages come back once no step in
+        flight can write them. A request with a grammar masks its next step by its tokens so far, so while one is in
+        flight the step before is applied first (that step pipelines nothing).
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
@@ -132,10 +133,10 @@ class Engine:
             if any(s.grammar is not None for launch in self._inflight for s in launch.seqs):
                 # a grammar masks a sequence's next step by the tokens of its last one: apply that first
                 previous, self._inflight = self._inflight, []
-                touched = self._collect(previous, time.perf_counter())
+                touched = self._collect(previous, time.perf_counter(), stream)
             launched = self._launch()
             previous, self._inflight = self._inflight, launched
-            touched += self._collect(previous, time.perf_counter())
+            touched += self._collect(previous, time.perf_counter(), stream)
         except Exception as e:  # noqa: BLE001 - one step's failure must not end the engine
             failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
             self._inflight = []
@@ -147,7 +148,7 @@ class Engine:
                 raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
             raise RunnerFailure(f"the step failed ({type(e).__name__}: {e})\n-> request(s) {list(failed)} failed",
                                 failed) from e
-        return [self._output(s) for s in touched]
+        return [self._output(s) for s in touched if stream or s.finished]
 
     def drain(self) -> list[RequestOutput]:
         """Apply the step still in flight without launching another (its pages come back)."""
@@ -192,10 +193,10 @@ class Engine:
                 seq.inflight += 1
         return launches
 
-    def _collect(self, launches: list[_Launch], now: float | None) -> list[Sequence]:
+    def _collect(self, launches: list[_Launch], now: float | None, stream: bool = True) -> list[Sequence]:
         """Apply launched work's results to its requests; give back the pages of those that ended (or were
         preempted) and have nothing in flight. ``now``: when the next step was launched (a step's wall time, for
-        the budget policy's cost table)."""
+        the budget policy's cost table); ``stream``: the requests' text kept current (see :meth:`_emit`)."""
         touched = []
         for launch in launches:
             result = launch.pending.result()
@@ -212,13 +213,13 @@ class Engine:
                 if seq.finished or seq.preempted:
                     pass
                 elif not launch.prefill:
-                    self._advance(seq, toks, share, launch.nodes, mass, lps)
+                    self._advance(seq, toks, share, launch.nodes, mass, lps, stream)
                     touched.append(seq)
                 else:
                     if scored:
                         self._score_prompt(seq, launch.starts[i], scored)
                     if launch.last[i]:
-                        self._prefilled(seq, toks, lps)
+                        self._prefilled(seq, toks, lps, stream)
                         touched.append(seq)
                 if (seq.finished or seq.preempted) and seq.inflight == 0:
                     self._retire(seq)
@@ -237,16 +238,16 @@ class Engine:
         k, after = seq.params.prompt_logprobs, seq.prompt_ids[start + 1:]
         seq.prompt_logprobs[start + 1:] = [_logprobs(t, values, ids, k) for t, (values, ids) in zip(after, scored)]
 
-    def _prefilled(self, seq: Sequence, first: list[int], logprobs: list | None):
+    def _prefilled(self, seq: Sequence, first: list[int], logprobs: list | None, stream: bool):
         """A context's last chunk is in: its KV is cached; a new request emits its first token (a resumed one chose
         its next token before it was preempted)."""
         seq.cached_len = seq.prefill_len
         self.scheduler.register(seq)
         if not seq.output_ids:
-            self._emit(seq, first, logprobs)
+            self._emit(seq, first, logprobs, stream)
 
     def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float], nodes: int,
-                 masses: list | None, logprobs: list | None):
+                 masses: list | None, logprobs: list | None, stream: bool):
         """Apply a step's tokens (from a tree of ``nodes`` draft nodes, whose ``masses`` the budget policy reads
         next; their log-probabilities where asked) to ``seq``: with :meth:`_prefilled`, the only place where request
         state changes after admission."""
@@ -257,7 +258,7 @@ class Engine:
         seq.masses = masses if masses is not None else seq.masses
         for stage, s in stage_seconds.items():
             seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
-        self._emit(seq, tokens, logprobs)
+        self._emit(seq, tokens, logprobs, stream)
         self.scheduler.register(seq)
 
     def _ban(self, params: SamplingParams) -> list[int]:
@@ -268,13 +269,15 @@ class Engine:
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return list(dict.fromkeys(t for t in eos + params.stop_token_ids if t < self.vocab_size))
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None):
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None, stream: bool):
         """Append tokens one by one, stopping exactly where autoregressive decoding would (a stop needs
-        ``min_tokens`` tokens out). The text grows by incremental detokenization; a stop string is looked for only
-        where new text could complete it."""
+        ``min_tokens`` tokens out). The text grows by incremental detokenization: with stop strings token by token
+        (a stop string is looked for only where new text could complete it), else once per call (``stream``) or
+        once the request has finished."""
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         p, detok = seq.params, seq.detokenizer
+        by_token = detok is not None and bool(p.stop)
         for i, t in enumerate(tokens):
             seq.output_ids.append(t)
             if seq.grammar is not None:
@@ -283,10 +286,11 @@ class Engine:
                 seq.logprobs.append(_logprobs(t, *logprobs[i], p.logprobs))
                 seq.cumulative_logprob += seq.logprobs[-1][t].logprob
             may_stop = len(seq.output_ids) >= p.min_tokens
-            if detok is not None:
+            if by_token:
                 before = len(seq.text)
                 seq.text += detok.add([t])
-                if p.stop and may_stop and self._cut_at_stop(seq, before):
+                seq.detokenized += 1
+                if may_stop and self._cut_at_stop(seq, before):
                     seq.finish_reason = "stop"
                     return
             if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids
@@ -296,7 +300,12 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finished:
                 break
-        if seq.finished and detok is not None:
+        if detok is None:
+            return
+        if not by_token and (stream or seq.finished):
+            seq.text += detok.add(seq.output_ids[seq.detokenized:])
+            seq.detokenized = len(seq.output_ids)
+        if seq.finished:
             seq.text += detok.flush()
 
     @staticmethod
