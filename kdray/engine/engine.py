@@ -183,9 +183,10 @@ class Engine:
             launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last,
                                     starts=prefill.starts))
         if batch:
-            grown = {s.slot: list(s.pages) for s in batch if len(s.pages) != s.pages_sent}
+            grown = {}  # slot -> its pages, where they grew since last sent
             for seq in batch:
-                seq.pages_sent = len(seq.pages)
+                if len(seq.pages) != seq.pages_sent:
+                    grown[seq.slot], seq.pages_sent = list(seq.pages), len(seq.pages)
             step = StepBatch([s.slot for s in batch], nodes, grown, _grammars(batch))
             launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter()))
         for launch in launches:
@@ -223,7 +224,9 @@ class Engine:
                         touched.append(seq)
                 if (seq.finished or seq.preempted) and seq.inflight == 0:
                     self._retire(seq)
-        return list({id(s): s for s in touched}.values())  # a request prefilled and stepped: once
+        if len(launches) > 1:  # a request prefilled and stepped: once
+            touched = list({id(s): s for s in touched}.values())
+        return touched
 
     def _retire(self, seq: Sequence):
         """Pages and slot back to the scheduler: a finished request leaves, a preempted one waits again."""
@@ -255,9 +258,11 @@ class Engine:
         seq.steps += 1
         seq.accepted += len(tokens)
         seq.tree_sizes[nodes] = seq.tree_sizes.get(nodes, 0) + 1
-        seq.masses = masses if masses is not None else seq.masses
+        if masses is not None:
+            seq.masses = masses
+        spent = seq.stage_seconds
         for stage, s in stage_seconds.items():
-            seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
+            spent[stage] = spent.get(stage, 0.0) + s
         self._emit(seq, tokens, logprobs, stream)
         self.scheduler.register(seq)
 
@@ -278,14 +283,15 @@ class Engine:
             seq.first_token_at = time.perf_counter()
         p, detok = seq.params, seq.detokenizer
         by_token = detok is not None and bool(p.stop)
+        out, limit = seq.output_ids, min(p.max_tokens, self.max_model_len - len(seq.prompt_ids))
         for i, t in enumerate(tokens):
-            seq.output_ids.append(t)
+            out.append(t)
             if seq.grammar is not None:
                 seq.grammar.accept(t)
             if p.logprobs is not None:
                 seq.logprobs.append(_logprobs(t, *logprobs[i], p.logprobs))
                 seq.cumulative_logprob += seq.logprobs[-1][t].logprob
-            may_stop = len(seq.output_ids) >= p.min_tokens
+            may_stop = len(out) >= p.min_tokens
             if by_token:
                 before = len(seq.text)
                 seq.text += detok.add([t])
@@ -296,9 +302,9 @@ class Engine:
             if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids
                              or (seq.grammar is not None and seq.grammar.ended)):
                 seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(out) >= limit:  # max_tokens, or the context limit
                 seq.finish_reason = "length"
-            if seq.finished:
+            if seq.finish_reason is not None:
                 break
         if detok is None:
             return
