@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from kdray.engine.cuda_graphs import GraphedFn
@@ -41,6 +42,11 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts a lone prompt chunk
 def bucket(n: int, limit: int) -> int:
     """The batch size a step of ``n`` sequences runs at under CUDA graphs (the smallest bucket that holds it)."""
     return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
+
+
+def host_ints(values: list[int], dtype: type = np.int64) -> torch.Tensor:
+    """A CPU tensor of ``values`` made through numpy (``torch.tensor`` parses a list of ints several times slower)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def root_only_tree(roots: torch.Tensor) -> DraftTree:
@@ -133,12 +139,12 @@ class SlotState:
         if not pages:
             return
         width, dev = self.block_table.shape[1], self.block_table.device
-        rows = torch.full((len(pages), width), self.scratch_page, dtype=torch.int32)  # [n, pages]
+        rows = np.full((len(pages), width), self.scratch_page, dtype=np.int32)  # [n, pages]
         for i, row in enumerate(pages.values()):
             if len(row) > width:
                 raise ValueError(f"{len(row)} KV pages for one sequence exceed the block-table width {width}")
-            rows[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.block_table[torch.tensor(list(pages), device=dev)] = rows.to(dev)
+            rows[i, :len(row)] = row
+        self.block_table[host_ints(list(pages)).to(dev)] = torch.from_numpy(rows).to(dev)
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
         """After a prefill: each slot's bonus token is its first generated one (counted), its cached length the
@@ -290,7 +296,7 @@ class ModelRunner:
         prompt tokens (``prompt_logprobs``: those run eagerly)."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
-        ids = torch.tensor([t for p in batch.prompts for t in p], dtype=torch.int64, device=self.device)
+        ids = host_ints([t for p in batch.prompts for t in p]).to(self.device)  # [T]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, lens)]).to(self.device)
         idx = torch.tensor(batch.slots, device=self.device)
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
@@ -449,7 +455,7 @@ class ModelRunner:
     def slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slots as a device index ``[Bp]``, padded with the scratch slot to a bucket's size under graphs."""
         padded = slots + [self.slots.scratch] * (self.padded(len(slots)) - len(slots))
-        return torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
+        return host_ints(padded).to(self.device, non_blocking=True)
 
     def _run(self, fn, graphs: GraphedFn | None, *inputs, **options) -> tuple[tuple, StageTimer]:
         """``fn(timer, *inputs, **options)``: replayed from ``graphs`` when there are graphs, else eagerly."""
