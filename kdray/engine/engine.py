@@ -38,6 +38,7 @@ class _Launch:
     prefill: bool
     nodes: int = 0
     at: float = 0.0  # perf_counter when launched
+    grammar: bool = False  # a sequence has a grammar
     last: list[bool] | None = None  # prefill: which chunks end their context
     starts: list[int] | None = None  # prefill: where each chunk starts
 
@@ -66,7 +67,7 @@ class Engine:
             raise ValueError(f"request id '{request_id}' is already in use")
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context limit is {self.max_model_len} "
@@ -130,7 +131,7 @@ class Engine:
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
         try:
             touched = []
-            if any(s.grammar is not None for launch in self._inflight for s in launch.seqs):
+            if any(launch.grammar for launch in self._inflight):
                 # a grammar masks a sequence's next step by the tokens of its last one: apply that first
                 previous, self._inflight = self._inflight, []
                 touched = self._collect(previous, time.perf_counter(), stream)
@@ -181,14 +182,15 @@ class Engine:
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
             launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last,
-                                    starts=prefill.starts))
+                                    starts=prefill.starts, grammar=prefill.grammars is not None))
         if batch:
             grown = {}  # slot -> its pages, where they grew since last sent
             for seq in batch:
                 if len(seq.pages) != seq.pages_sent:
                     grown[seq.slot], seq.pages_sent = list(seq.pages), len(seq.pages)
             step = StepBatch([s.slot for s in batch], nodes, grown, _grammars(batch))
-            launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter()))
+            launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter(),
+                                    grammar=step.grammars is not None))
         for launch in launches:
             for seq in launch.seqs:
                 seq.inflight += 1
