@@ -77,6 +77,7 @@ class SlotState:
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=device)  # cached length per slot
         self.greedy = [True] * n  # host copy: a batch of greedy slots skips the sampling path
         self.features: list[frozenset[str]] = [frozenset()] * n  # host copy: what a batch of these slots pays for
+        self.special = 0  # slots set for sampling or a costly feature (0: every batch is greedy and plain)
         self.prompt_lens = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
         self.min_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
@@ -105,9 +106,12 @@ class SlotState:
                               (self.top_p, [p.top_p for p in ps]), (self.seeds, batch.seeds)):
             put(state, values)
         # the costly fields' settings: written when these requests, or the slots' last ones, use any of them
-        plain = not any(p.features for p in ps) and not any(self.features[s] for s in batch.slots)
-        for slot, p in zip(batch.slots, ps):
-            self.greedy[slot], self.features[slot] = p.greedy, p.features
+        features = [p.features for p in ps]
+        plain = not any(features) and not any(self.features[s] for s in batch.slots)
+        for slot, p, f in zip(batch.slots, ps, features):
+            self.special -= not self.greedy[slot] or bool(self.features[slot])
+            self.greedy[slot], self.features[slot] = p.greedy, f
+            self.special += not p.greedy or bool(f)
         if plain:
             return
         for state, values in ((self.prompt_lens, batch.prompt_lens), (self.min_tokens, [p.min_tokens for p in ps]),
@@ -119,7 +123,7 @@ class SlotState:
                                                   for p in ps]),
                               (self.ban_ids, [_padded(b, MAX_BAN, -1) for b in batch.bans])):
             put(state, values)
-        if self.vocab is None or not any("penalties" in p.features for p in ps):
+        if self.vocab is None or not any("penalties" in f for f in features):
             return
         if self.counts is None:  # the first penalised request
             n = self.block_table.shape[0]
@@ -199,10 +203,12 @@ class SlotState:
         self.counts.view(-1).scatter_add_(0, flat.flatten(), kept.float().flatten())
 
     def all_greedy(self, slots: list[int]) -> bool:
-        return all(self.greedy[s] for s in slots)
+        return not self.special or all(self.greedy[s] for s in slots)
 
     def extras(self, slots: list[int]) -> tuple[str, ...]:
         """The features a batch of ``slots`` pays for: those any of its requests uses."""
+        if not self.special:
+            return ()
         return tuple(sorted(frozenset().union(*(self.features[s] for s in slots))))
 
     def snapshot(self):
