@@ -7,8 +7,12 @@ replay), forward (the target pass and its logits), sample (the choice), commit (
 step's other tensor work; on the CPU also freeing the step's logits), wait (for the step before's results: device
 time the host does not hide; on cuda with their unpacking), to host (the copy back; on the CPU unpacked), update
 (tokens applied to requests), detokenize, outputs (``RequestOutput`` objects), and the rest of the engine and
-``LLM.generate`` loop. "host" is the step less forward, sample, commit, device rest and wait: on the CPU the tiny
-model's tensor work stands in for the GPU's.
+``LLM.generate`` loop. "host" is the step less wait and, on the CPU, less forward, sample, commit and device rest
+(the tiny model's tensor work stands in for the GPU's; on cuda they are launches, host work).
+
+``--steady``: 3 x batch prompts of 0.5-1.5 x the new tokens each, so requests finish and are admitted every step,
+as in a long job: steps count while requests wait, prefills included (prefill: its host work and the first tokens'
+choice; its forward counts as forward).
 
     python benchmarks/host_step.py --device cpu     # tiny Llama: hidden 64, 2 layers, SmolLM2's vocab and tokenizer
     python benchmarks/host_step.py --device cuda    # smollm2-135m, bfloat16, CUDA graphs (the runner's stages replay)
@@ -43,13 +47,14 @@ STAGES = {
     (Scheduler, "prefill_chunks"): "schedule", (ModelRunner, "step"): "inputs",
     (ModelRunner, "_step_fn"): "device rest",
     (ModelRunner, "verify"): "forward", (ModelRunner, "accept"): "sample", (ModelRunner, "commit"): "commit",
+    (ModelRunner, "prefill"): "prefill", (ModelRunner, "forward_prompts"): "forward",
     (ModelRunner, "_to_host"): "to host", (Pending, "result"): "wait", (Engine, "_collect"): "update",
     (Engine, "_output"): "outputs", (IncrementalDetokenizer, "add"): "detokenize",
     (IncrementalDetokenizer, "flush"): "detokenize",
 }
-DEVICE = ("forward", "sample", "commit", "device rest", "wait")  # on a GPU: launches (or a graph replay), the wait
-ORDER = ("schedule", "inputs", "forward", "sample", "commit", "device rest", "wait", "to host", "update", "detokenize",
-         "outputs", "rest")
+DEVICE = ("forward", "sample", "commit", "device rest")  # the CPU's stand-in for device work (on a GPU: launches)
+ORDER = ("schedule", "inputs", "forward", "sample", "commit", "device rest", "wait", "to host", "prefill", "update",
+         "detokenize", "outputs", "rest")
 
 
 class StageClock:
@@ -111,15 +116,20 @@ def tiny_target(vocab: int, hidden: int, layers: int) -> LoadedTarget:
     return target
 
 
-def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, clock: StageClock | None) -> dict:
+def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, clock: StageClock | None,
+            steady: bool = False) -> dict:
     """Generate for ``batch`` random prompts (after a warm-up generation) -> mean ms per decode step, per stage with a
     ``clock`` (work done once per request, at its end, is shared over the steps)."""
     llm = LLM(model=target, spec="ar", max_num_seqs=batch, max_tokens_per_step=32768,
               num_pages=kv_pages([prompt_len] * batch, new_tokens, 2))
     g = torch.Generator().manual_seed(batch)
     vocab = target.config.vocab_size
-    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    n = 3 * batch if steady else batch
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    lengths = [new_tokens] * n
+    if steady:
+        lengths = torch.randint(new_tokens // 2, new_tokens * 3 // 2 + 1, (n,), generator=g).tolist()
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths]
     warm = prompts if next(target.model.parameters()).is_cuda else prompts[:8]  # cuda: the batch's graph captured
     llm.generate(prompt_token_ids=warm, sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
     engine, runner, steps, prefills = llm.engine, llm.engine.runner, [], [0]
@@ -128,9 +138,10 @@ def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, 
     def timed_step(**kwargs):
         if clock:
             clock.take()
-        before, t = prefills[0], time.perf_counter()
+        before, queued, t = prefills[0], bool(engine.scheduler.waiting), time.perf_counter()
         out = step(**kwargs)
-        steps.append((time.perf_counter() - t, clock.take() if clock else {}, prefills[0] > before))
+        counted = queued if steady else prefills[0] == before  # steady: while finished requests are replaced
+        steps.append((time.perf_counter() - t, clock.take() if clock else {}, counted))
         return out
 
     if clock:
@@ -152,8 +163,8 @@ def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, 
         if clock:
             clock.remove()
         del engine.step, runner.prefill
-    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
-    decode = [(w, s) for w, s, prefilled in steps if not prefilled][1:]  # the first applies the prefill
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+    decode = [(w, s) for w, s, counted in steps if counted][1:]  # the first applies the first prefill
     n, wall, stages = len(decode), sum(w for w, _ in decode), defaultdict(float)
     for _, s in decode:
         for k, v in s.items():
@@ -176,6 +187,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 32 on cpu, 256 on cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    ap.add_argument("--steady", action="store_true", help="requests finishing and admitted every step (see above)")
     ap.add_argument("--stages", choices=("on", "off"), default="on",
                     help="split the step by stage (wrapping the stages' methods costs ~1 us a call)")
     args = ap.parse_args()
@@ -187,16 +199,18 @@ def main():
     clock = StageClock() if args.stages == "on" else None
     rows = []
     for b in args.batch:
-        r = measure(target, b, args.prompt_len, new_tokens, clock)
+        r = measure(target, b, args.prompt_len, new_tokens, clock, args.steady)
         row = [str(b), str(r["steps"]), f"{r['step_ms']:.2f}", f"{r['tok_s']:.0f}"]
         if clock:
             s = r["stages_ms"]
-            host = r["step_ms"] - sum(s.get(k, 0.0) for k in DEVICE)
+            device = ("wait",) + (DEVICE if args.device == "cpu" else ())
+            host = r["step_ms"] - sum(s.get(k, 0.0) for k in device)
             row += [f"{host:.2f}", f"{1e3 * host / b:.2f}"] + [f"{s.get(k, 0.0):.2f}" for k in ORDER]
         rows.append(row)
     model = "smollm2-135m bf16" if args.device == "cuda" else "tiny Llama (hidden 64, 2 layers, vocab 49152) fp32"
+    new = f"{new_tokens} new tokens" + (" (0.5-1.5x, 3x batch prompts: steady)" if args.steady else "")
     print(f"\n# {datetime.date.today()} host_step on {args.device}: {model}, AR greedy, prompts {args.prompt_len} "
-          f"tokens, {new_tokens} new tokens, torch threads {torch.get_num_threads()}; ms per decode step")
+          f"tokens, {new}, torch threads {torch.get_num_threads()}; ms per decode step")
     header = ["batch", "steps", "step ms", "tok/s (prefill incl.)"]
     if clock:
         header += ["host ms", "host us / seq-step"] + [f"{k} ms" for k in ORDER]
