@@ -97,9 +97,13 @@ class Scheduler:
     def reserve(self, batch: list[Sequence]) -> list[Sequence]:
         """Give each sequence of ``batch`` the pages its next step can write; when the pool runs dry, preempt the
         most recently admitted running sequences. Returns the sequences that can step now."""
-        ready = []
+        ready, preemptions = [], self.preemptions
         for seq in batch:
             need = min(self.pool.pages_for(seq.cached_len + self.lookahead), self.max_pages) - len(seq.pages)
+            if need <= 0:  # most steps of most sequences
+                if not seq.preempted:
+                    ready.append(seq)
+                continue
             while need > self.pool.free_pages():
                 victim = next((s for s in reversed(self.running) if not s.preempted and s is not seq), None)
                 if victim is None:
@@ -111,9 +115,10 @@ class Scheduler:
                 continue
             if need > self.pool.free_pages():
                 continue  # its pages come back once the preempted sequences' steps in flight are applied
-            if need > 0:
-                seq.pages += self.pool.allocate(need)
+            seq.pages += self.pool.allocate(need)
             ready.append(seq)
+        if self.preemptions == preemptions:
+            return ready
         return [s for s in ready if not s.preempted]  # a victim may have been ready before a later one's need
 
     def preempt(self, seq: Sequence):
