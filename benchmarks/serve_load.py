@@ -228,7 +228,8 @@ def main(argv=None) -> int:
                          f"{1e3 * r['ttft_p50']:.0f}", f"{1e3 * r['ttft_mean']:.1f}",
                          f"{1e3 * r['server_ttft_mean']:.1f}", f"{1e3 * r['engine_ttft_mean']:.1f}",
                          f"{1e3 * (r['ttft_mean'] - r['server_ttft_mean']):.1f}",
-                         f"{1e3 * (r['server_ttft_mean'] - r['engine_ttft_mean']):.1f}", f"{1e3 * r['health_p50']:.1f}"])
+                         f"{1e3 * (r['server_ttft_mean'] - r['engine_ttft_mean']):.1f}",
+                         f"{1e3 * r['health_p50']:.1f}"])
             continue
         if args.workload == "long-prompt":
             r = asyncio.run(long_prompts(url, args.model, args, texts, args.concurrency[0]))

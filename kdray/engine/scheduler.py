@@ -100,10 +100,6 @@ class Scheduler:
         ready, preemptions = [], self.preemptions
         for seq in batch:
             need = min(self.pool.pages_for(seq.cached_len + self.lookahead), self.max_pages) - len(seq.pages)
-            if need <= 0:  # most steps of most sequences
-                if not seq.preempted:
-                    ready.append(seq)
-                continue
             while need > self.pool.free_pages():
                 victim = next((s for s in reversed(self.running) if not s.preempted and s is not seq), None)
                 if victim is None:
@@ -115,7 +111,8 @@ class Scheduler:
                 continue
             if need > self.pool.free_pages():
                 continue  # its pages come back once the preempted sequences' steps in flight are applied
-            seq.pages += self.pool.allocate(need)
+            if need > 0:
+                seq.pages += self.pool.allocate(need)
             ready.append(seq)
         if self.preemptions == preemptions:
             return ready
