@@ -22,6 +22,9 @@ settings:
 
     kdray train-drafter --model smollm2-135m --output drafter/ --train-seconds 240
     kdray train-drafter --corpus corpus/ --output drafter/ --total-train-seconds 3600 --train-seconds 480 [--resume]
+
+``--init`` starts a new schedule (a fresh optimizer, warmup and decay) from a trained drafter's weights, e.g. to
+train the shipped drafter further: ``--init kdray/assets/drafters/smollm2-135m``.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import random
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -394,6 +397,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                 "state (train_state.pt) and logs")
     ap.add_argument("--resume", action="store_true", help="continue the run saved in --output (weights, optimizer, "
                                                            "step, training time, data order); its settings must match")
+    ap.add_argument("--init", type=Path, help="start from this drafter's weights (a DFlash checkpoint directory, e.g. "
+                    "kdray/assets/drafters/smollm2-135m) with a new optimizer and schedule; its shape and mask token "
+                    "must be the run's")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
     ap.add_argument("--dtype", help="target dtype (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--seed", type=int, default=0)
@@ -440,6 +446,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("steps", "total_train_seconds", "train_seconds"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a number > 0")
+    if args.init is not None and args.resume:
+        ap.error("--init starts a new run from a drafter's weights and --resume continues a saved run: give one")
+    if args.init is not None and not (args.init / "config.json").is_file():
+        ap.error(f"--init {args.init}: no DFlash checkpoint there (config.json and model.safetensors)")
     if not 0 <= args.warmup < 1:
         ap.error(f"--warmup {args.warmup}: give the fraction of the schedule to warm up over, in [0, 1)")
     if args.corpus is not None and not args.corpus.is_dir():
@@ -520,8 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {args.model} on {device} in {dtype}", file=sys.stderr)
     pairs, eval_prompts, data = (corpus_pairs if args.corpus else topic_pairs)(args, target)
     corpus = Corpus.build([p + r for p, r in pairs], [len(p) for p, _ in pairs], device)
-    mask_id = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(
-        target.tokenizer, target.config.vocab_size, corpus.tokens)
+    init = DFlashDrafter.from_pretrained(args.init, torch.float32, device) if args.init else None
+    mask_id = (args.mask_token_id if args.mask_token_id is not None else init.cfg.mask_token_id if init
+               else pick_mask_token(target.tokenizer, target.config.vocab_size, corpus.tokens))
     data.update(sequences=len(corpus), tokens=len(corpus.tokens),
                 response_tokens=len(corpus.tokens) - int(corpus.prompt_lens.sum()), sha256=corpus.sha256())
     settings.update({"--mask-token-id": mask_id, DATA: {k: data[k] for k in ("sequences", "tokens", "sha256")}})
@@ -533,6 +544,15 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(device):
         drafter = DFlashDrafter(cfg, torch.float32)
     init_drafter(drafter, args.seed)
+    if init is not None:
+        differ = [f"{f.name} {getattr(init.cfg, f.name)!r} there, {getattr(cfg, f.name)!r} here"
+                  for f in fields(cfg) if getattr(init.cfg, f.name) != getattr(cfg, f.name)]
+        if differ:
+            raise ValueError(f"--init {args.init}: that drafter is not shaped as this run's (" + "; ".join(differ)
+                             + "); pass the flags it was trained with (--layers, --target-layers, --block-size)")
+        with torch.no_grad():
+            drafter.load_state_dict(init.state_dict())
+        del init
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     gen = torch.Generator(device).manual_seed(args.seed)
     order = random.Random(args.seed)

@@ -15,6 +15,7 @@
 # 2048 prompts regenerated in 81 s, 2115 steps in 74 s). Environment overrides:
 #   CORPUS=corpus/      train on a built corpus with generated responses (python -m kdray.drafter_corpus)
 #   TRAIN="..."         the schedule, e.g. "--steps 20000" or "--total-train-seconds 3600" (default: --steps 2115)
+#   INIT=dir/           start from that drafter's weights (e.g. kdray/assets/drafters/smollm2-135m), new schedule
 #   RUN_SECONDS=480     stop this run after that much training time; rerun the same command to continue (it passes
 #                       --resume when OUT_DIR/drafter holds a training state) until the schedule is complete, e.g.
 #   CORPUS=corpus/ TRAIN="--total-train-seconds 3600" RUN_SECONDS=480 scripts/train_smollm2_drafter.sh runs/big
@@ -25,7 +26,7 @@ TRAIN=${TRAIN:---steps 2115}
 DATA="--num-prompts 2048 --max-new-tokens 256 --gen-batch 512"
 [ -n "${CORPUS:-}" ] && DATA="--corpus $CORPUS"
 RUN=${RUN_SECONDS:+--train-seconds $RUN_SECONDS}
-RESUME=
+RESUME=${INIT:+--init $INIT}
 [ -f "$OUT/drafter/train_state.pt" ] && RESUME=--resume
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

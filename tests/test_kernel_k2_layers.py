@@ -46,11 +46,12 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
             if isinstance(m, k2.MoE):
                 m.gate.mul_(1e-3)
                 m.e_score_correction_bias.copy_(torch.randperm(cfg.n_routed_experts, device="cuda") * 0.01)
-    page, prefix = 64, [0, 0, 0] if prefill else [300, 17, 1000]
+    B = len(q_lens)
+    page, prefix = 64, [0] * B if prefill else [300, 17, 1000][:B]
     pages = (max(prefix) + max(q_lens) + page - 1) // page
     g = torch.Generator("cuda").manual_seed(1)
-    kv = torch.randn(cfg.num_hidden_layers, 3 * pages, page, cfg.kv_cache_dim, device="cuda", generator=g).bfloat16()
-    table = torch.arange(3 * pages, dtype=torch.int32, device="cuda").view(3, pages)
+    kv = torch.randn(cfg.num_hidden_layers, B * pages, page, cfg.kv_cache_dim, device="cuda", generator=g).bfloat16()
+    table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
     ids = torch.randint(0, cfg.vocab_size, (sum(q_lens),), device="cuda", generator=g)
     positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, q_lens)]).cuda()
     mask = None if prefill else causal_tree_mask(q_lens, "cuda")

@@ -193,6 +193,21 @@ def test_a_resume_with_other_settings_is_refused_naming_them(runs, tmp_path, cap
         main([*RUN, "--output", str(tmp_path), "--resume"])
 
 
+def test_init_starts_a_new_run_from_a_drafters_weights(runs, tmp_path):
+    """--init loads the weights (lr 0 keeps them: the export equals the source) with a new schedule; a drafter of
+    another shape is refused naming the field."""
+    one = runs[0]
+    still = [a if a != "3e-3" else "0" for a in RUN]
+    assert main([*still, "--steps", "1", "--output", str(tmp_path / "a"), "--init", str(one)]) == 0
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
+    state = torch.load(tmp_path / "a" / STATE_FILE, weights_only=True)
+    assert state["step"] == 1 and state["log"]["args"]["init"] == str(one)
+    with pytest.raises(ValueError, match="num_hidden_layers 1 there, 2 here"):
+        main([*RUN, "--layers", "2", "--output", str(tmp_path / "b"), "--init", str(one)])
+    with pytest.raises(SystemExit):
+        main([*RUN, "--output", str(one), "--init", str(one), "--resume"])
+
+
 def test_drafter_tau_prints_a_row_per_category_and_mode(tmp_path, capsys):
     from benchmarks.drafter_tau import main as drafter_tau
 
