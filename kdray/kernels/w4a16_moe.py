@@ -62,21 +62,34 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
         raise ValueError(f"add must be {x.dtype} {tuple(x.shape)} like x, got {add.dtype} {tuple(add.shape)}")
     T, H = x.shape
-    if w13_packed.dim() != 3 or w2_packed.dim() != 3:
-        raise ValueError(f"w13_packed / w2_packed must be [E, out, in/8], got {tuple(w13_packed.shape)} / "
-                         f"{tuple(w2_packed.shape)}")
-    E, two_i, h8 = w13_packed.shape
-    I = two_i // 2
-    if two_i % 2 or h8 * 8 != H or w2_packed.shape != (E, H, I // 8) or I % 8:
-        raise ValueError(f"expected w13_packed [E, 2I, H/8] and w2_packed [E, H, I/8] for H={H}, got "
-                         f"{tuple(w13_packed.shape)} and {tuple(w2_packed.shape)}")
-    if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
-        raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
-    if w13_scale.dim() != 3 or w13_scale.shape[:2] != (E, two_i) or H % w13_scale.shape[2]:
-        raise ValueError(f"w13_scale must be [E, 2I, H/g] = [{E}, {two_i}, H/g], got {tuple(w13_scale.shape)}")
-    group = H // w13_scale.shape[2]
-    if I % group or w2_scale.shape != (E, H, I // group):
-        raise ValueError(f"w2_scale must be [E, H, I/g] = [{E}, {H}, {I}/{group}], got {tuple(w2_scale.shape)}")
+    if is_tiled(w13_packed):  # repack_int4_experts' layout: group 32
+        E, HB, two_i = w13_packed.shape[:3]
+        I = two_i // 2
+        if (HB * 64 != H or two_i % 2 or I % 64 or w13_packed.shape[3] != 8 or w13_scale.shape != (E, HB, two_i, 2)
+                or w2_packed.shape != (E, I // 64, H, 8) or w2_scale.shape != (E, I // 64, H, 2)):
+            raise ValueError(f"expected tiled experts w13_packed [E, H/64, 2I, 8], w13_scale [E, H/64, 2I, 2], "
+                             f"w2_packed [E, I/64, H, 8], w2_scale [E, I/64, H, 2] for H={H}; got "
+                             f"{tuple(w13_packed.shape)}, {tuple(w13_scale.shape)}, {tuple(w2_packed.shape)}, "
+                             f"{tuple(w2_scale.shape)}")
+        if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+            raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
+        group = 32
+    else:
+        if w13_packed.dim() != 3 or w2_packed.dim() != 3:
+            raise ValueError(f"w13_packed / w2_packed must be [E, out, in/8], got {tuple(w13_packed.shape)} / "
+                             f"{tuple(w2_packed.shape)}")
+        E, two_i, h8 = w13_packed.shape
+        I = two_i // 2
+        if two_i % 2 or h8 * 8 != H or w2_packed.shape != (E, H, I // 8) or I % 8:
+            raise ValueError(f"expected w13_packed [E, 2I, H/8] and w2_packed [E, H, I/8] for H={H}, got "
+                             f"{tuple(w13_packed.shape)} and {tuple(w2_packed.shape)}")
+        if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+            raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
+        if w13_scale.dim() != 3 or w13_scale.shape[:2] != (E, two_i) or H % w13_scale.shape[2]:
+            raise ValueError(f"w13_scale must be [E, 2I, H/g] = [{E}, {two_i}, H/g], got {tuple(w13_scale.shape)}")
+        group = H // w13_scale.shape[2]
+        if I % group or w2_scale.shape != (E, H, I // group):
+            raise ValueError(f"w2_scale must be [E, H, I/g] = [{E}, {H}, {I}/{group}], got {tuple(w2_scale.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids / topk_weights must both be [T={T}, k], got {tuple(topk_ids.shape)} / "
                          f"{tuple(topk_weights.shape)}")
@@ -86,9 +99,55 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
     return E, H, I, group
 
 
+def repack_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                        w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors experts -> the tile-contiguous layout every CUDA kernel reads (a pure function).
+
+    ``packed [E, N, K/8]`` int32 -> ``[E, K/64, N, 8]``: the 64 k (8 words) of a K tile of every weight row of an
+    expert lie together, so one K tile of any run of rows (an N tile) is one contiguous stream; words and nibbles
+    are unchanged. ``scale [E, N, K/32]`` bf16 -> ``[E, K/64, N, 2]`` the same way. Same bytes, no padding: the
+    repacked experts replace the loaded ones (one copy in memory). Needs group 32 and K (H for w13, I for w2) a
+    multiple of 64. :func:`unpack_int4_experts` inverts it.
+    """
+    out = []
+    for packed, scale in ((w13_packed, w13_scale), (w2_packed, w2_scale)):
+        if packed.dim() != 3 or scale.dim() != 3 or packed.dtype != torch.int32:
+            raise ValueError(f"repack_int4_experts takes compressed-tensors experts (packed [E, N, K/8] int32, scale "
+                             f"[E, N, K/32]); got {packed.dtype} {tuple(packed.shape)} and {tuple(scale.shape)}")
+        E, N, K8 = packed.shape
+        if K8 % 8 or scale.shape != (E, N, K8 // 4):
+            raise ValueError(f"the tiled INT4 layout needs group size 32 and in_features a multiple of 64; got packed "
+                             f"{tuple(packed.shape)} (in_features {8 * K8}) with scale {tuple(scale.shape)}")
+        out.append(packed.reshape(E, N, K8 // 8, 8).transpose(1, 2).contiguous())
+        out.append(scale.reshape(E, N, K8 // 8, 2).transpose(1, 2).contiguous())
+    return out[0], out[1], out[2], out[3]
+
+
+def unpack_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                        w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_int4_experts`: ``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]`` -> compressed-tensors."""
+    out = []
+    for packed, scale in ((w13_packed, w13_scale), (w2_packed, w2_scale)):
+        if packed.dim() != 4 or packed.shape[3] != 8 or scale.dim() != 4 or scale.shape != (*packed.shape[:3], 2):
+            raise ValueError(f"expected tiled experts packed [E, K/64, N, 8] and scale [E, K/64, N, 2], got "
+                             f"{tuple(packed.shape)} and {tuple(scale.shape)}")
+        E, KB, N, _ = packed.shape
+        out.append(packed.transpose(1, 2).reshape(E, N, 8 * KB).contiguous())
+        out.append(scale.transpose(1, 2).reshape(E, N, 2 * KB).contiguous())
+    return out[0], out[1], out[2], out[3]
+
+
+def is_tiled(w13_packed: torch.Tensor) -> bool:
+    """Whether the experts are in :func:`repack_int4_experts`' layout (4-D) rather than compressed-tensors' (3-D)."""
+    return w13_packed.dim() == 4
+
+
 def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights,
                         add: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add)."""
+    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add).
+    Takes either layout (tiled experts are unpacked first)."""
+    if is_tiled(w13_packed):
+        w13_packed, w13_scale, w2_packed, w2_scale = unpack_int4_experts(w13_packed, w13_scale, w2_packed, w2_scale)
     E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
