@@ -50,6 +50,15 @@ SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
+# Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> warpgroups along M (rows per
+# pass = 64 * that); N tiles of WG_BN weight rows, 64 k per stage; shared memory per block WG_SMEM (w4a16_moe.cu's WgCfg).
+WGMMA_VARIANTS = {"wg64": 1, "wg128": 2}
+WG_BN, WG_THREADS = 256, 256
+WG_SMEM = {1: 1024 + 5 * 17408 + 2 * 32768, 2: 1024 + 4 * 25600 + 2 * 32768}
+# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. First guesses from the
+# tile shapes (a 64-row pass costs about as much tensor time as its weights' HBM time): tune with
+# `python benchmarks/bench_moe.py`, whose sweep prints every family.
+WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 16, 64
 ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
 ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
@@ -146,9 +155,9 @@ def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
                         add: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add).
     Takes either layout (tiled experts are unpacked first)."""
+    E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     if is_tiled(w13_packed):
         w13_packed, w13_scale, w2_packed, w2_scale = unpack_int4_experts(w13_packed, w13_scale, w2_packed, w2_scale)
-    E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
@@ -245,8 +254,27 @@ def _tiles_per_block(n_tiles: int, k_stages: int, busy_passes: int, sm_count: in
     return math.ceil(n_tiles / math.ceil(n_tiles / tpb))  # even out the blocks of a pass
 
 
-def _choose_variant(E: int, H: int, I: int, slots: int) -> str:
-    """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards)."""
+def _wgmma_ok(capability: tuple[int, int], H: int, I: int, tiled: bool) -> str | None:
+    """None when the wgmma family can run these operands on a GPU of ``capability``, else why not (the ValueError's
+    text): it needs sm_90, the tiled layout, H % 256 == 0 and I % 128 == 0 (group 32 and x bf16 as every kernel)."""
+    if not tiled:
+        return "it reads the tiled layout of repack_int4_experts (got compressed-tensors [E, N, K/8] experts)"
+    if tuple(capability) != (9, 0):
+        return f"it needs an sm_90 (Hopper) GPU, got compute capability {tuple(capability)}"
+    if H % WG_BN or I % 128:
+        return f"it needs H % {WG_BN} == 0 and I % 128 == 0 (H=7168, I=256 for K2 TP8), got H={H}, I={I}"
+    return None
+
+
+def _capability(dev: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(dev)
+
+
+def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> str:
+    """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards).
+    ``wgmma``: the wgmma family can run (Hopper, tiled experts, H % 256 == 0, I % 128 == 0)."""
+    if wgmma and slots >= WGMMA_MIN_ROWS_PER_EXPERT * E:
+        return "wg128" if slots >= WG128_MIN_ROWS_PER_EXPERT * E else "wg64"
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
@@ -279,7 +307,16 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     if T == 0:
         return out
     sms, slots = sm_count(dev.index), T * k
-    variant = variant or _choose_variant(E, H, I, slots)
+    tiled = is_tiled(w13_packed)
+    if variant is None:
+        variant = _choose_variant(E, H, I, slots, wgmma=_wgmma_ok(_capability(dev), H, I, tiled) is None)
+    elif variant in WGMMA_VARIANTS and (why := _wgmma_ok(_capability(dev), H, I, tiled)) is not None:
+        raise ValueError(f"variant {variant} cannot run here: {why}")
+    elif variant not in WGMMA_VARIANTS and variant not in VARIANTS and variant != SKINNY:
+        raise ValueError(f"unknown variant {variant!r}; choose from {[SKINNY, *VARIANTS, *WGMMA_VARIANTS]}")
+    if variant in WGMMA_VARIANTS:
+        return _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out,
+                          routing, E, H, I, k, sms)
     if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
     if variant == SKINNY and (H % 128 or I % 128):
@@ -308,12 +345,13 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
                shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
     if variant == SKINNY:
         launch("w4a16_moe", "moe_up_skinny", (max_passes, I // 16), (SKINNY_UP_THREADS,),
-               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I)), device=dev)
+               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)), device=dev)
         launch("w4a16_moe", "moe_down_skinny", (max_passes, math.ceil(H / SKINNY_DOWN_ROWS)), (SKINNY_DOWN_THREADS,),
-               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I)), device=dev)
+               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(tiled)),
+               device=dev)
     else:
         _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
-                    topk_weights, k, H, I, E, slots, max_passes, sms)
+                    topk_weights, k, H, I, E, slots, max_passes, sms, tiled)
     n4 = T * H // 4
     launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
            (acc, add if add is not None else 0, out, i32(n4)), device=dev)
@@ -321,7 +359,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
 
 
 def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
-                topk_weights, k, H, I, E, slots, max_passes, sms):
+                topk_weights, k, H, I, E, slots, max_passes, sms, tiled):
     """The tile path's gate/up and down launches (``VARIANTS[variant]``)."""
     from kdray.kernels.cuda_module import launch
 
@@ -334,10 +372,53 @@ def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_sc
     n_up = I // (bn // 2)  # tiles of bn/2 gate + bn/2 up rows over K = H
     tpb = _tiles_per_block(n_up, math.ceil(H / KC), busy, sms)
     launch("w4a16_moe", f"moe_up_{variant}", (max_passes, math.ceil(n_up / tpb)), (THREADS,),
-           (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
+           (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb),
+            i32(tiled)),
            shared_mem=smem, device=dev)
     n_down = math.ceil(H / bn)  # tiles of bn output rows over K = I
     tpb = _tiles_per_block(n_down, math.ceil(I / KC), busy, sms)
     launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (THREADS,),
            (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(n_down),
-            i32(tpb)), shared_mem=smem, device=dev)
+            i32(tpb), i32(tiled)), shared_mem=smem, device=dev)
+
+
+def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out, routing,
+               E, H, I, k, sms) -> torch.Tensor:
+    """The wgmma family: prep (sort only), ``moe_up_<variant>`` -> h [T*k, I], ``moe_down_<variant>`` -> y [T*k, H]
+    (each slot's weighted row, bf16), ``moe_finalize_slots`` (each token's rows summed in slot order: the same bits
+    on every call)."""
+    from kdray.kernels.cuda_module import launch
+
+    dev, i32 = x.device, np.int32
+    T = x.shape[0]
+    slots = T * k
+    wgm = WGMMA_VARIANTS[variant]
+    mt = 64 * wgm
+    max_passes = min(E, slots) + slots // mt
+    sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)
+    passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)
+    h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # slots of skipped ids stay unwritten (and unread)
+    prep = (x, 0, 0, sorted_slot, passes)  # no permuted x, no fp32 accumulator: block 0 only
+    if routing is None:
+        launch("w4a16_moe", "moe_prep", (1,), (1024,), (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)),
+               shared_mem=8 * E, device=dev)
+    else:
+        args, defines, group_scratch = routing
+        launch("moe_route", "moe_route_prep", (1,), (1024,), (*args, *prep, i32(H), i32(mt)),
+               shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
+    busy = min(E, slots)
+    n_up = I // 128  # tiles of 128 gate + 128 up rows over K = H
+    tpb = _tiles_per_block(n_up, H // 64, busy, sms)
+    launch("w4a16_moe", f"moe_up_{variant}", (max_passes, math.ceil(n_up / tpb)), (WG_THREADS,),
+           (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
+           shared_mem=WG_SMEM[wgm], device=dev)
+    n_down = H // WG_BN  # tiles of 256 output rows over K = I
+    tpb = _tiles_per_block(n_down, I // 64, busy, sms)
+    launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (WG_THREADS,),
+           (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I), i32(n_down),
+            i32(tpb)), shared_mem=WG_SMEM[wgm], device=dev)
+    n8 = T * H // 8
+    launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
+           (y, topk_ids, add if add is not None else 0, out, i32(T), i32(H), i32(k), i32(E)), device=dev)
+    return out

@@ -109,7 +109,8 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
                                          const __nv_bfloat16* __restrict__ w_scale,
                                          const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
                                          __nv_bfloat16* __restrict__ h_out, const float* __restrict__ topk_weights,
-                                         float* __restrict__ acc_out, int k, int H, int I, int n_tiles, int tpb) {
+                                         float* __restrict__ acc_out, int k, int H, int I, int n_tiles, int tpb,
+                                         int tiled) {
   constexpr int BN = 128 * NT, HALF = BN / 2, MTILES = MT / 16;
   constexpr int W_ROW = KC / 2, S_ROW = KC / 16, A_ROW = KC * 2;  // bytes per row and stage
   constexpr int W_BYTES = BN * W_ROW, S_BYTES = BN * S_ROW, STAGE_BYTES = W_BYTES + S_BYTES + MT * A_ROW;
@@ -146,7 +147,10 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
   // ldmatrix.x4: lane l addresses row (l & 7) + 8 ((l >> 3) & 1) of the m16 tile, piece (2 s + (l >> 4)) ^ (l & 7)
   // of k-step s; the piece's low bit is the lane's own, the rest (bits 1-3) is added per step.
   const u32 a_lane = ((lane & 7) + 8 * ((lane >> 3) & 1)) * A_ROW + ((((lane >> 4) ^ lane) & 1) * 16);
-  int w_off[W_PER], s_off[S_PER];  // offsets in the expert's weights / scales for the tile being loaded, -1 past N
+  // Offsets in the expert's weights / scales for the tile being loaded (-1 past N), and their step per stage:
+  // compressed-tensors rows [N][K/8 words] / [N][K/32], or the tiled layout [K/64][N][8] / [K/64][N][2].
+  int w_off[W_PER], s_off[S_PER];
+  const int w_step = tiled ? 32 * N : KC / 8, s_step = tiled ? 8 * N : KC / 32;
   auto global_row = [&](int tile, int row) { return tile * TILE_N + (row >= HALF ? half_off : 0) + row % HALF; };
   int ld_kt = 0, ld_tile = tile0, ld_buf = 0;
   auto load_next_stage = [&]() {
@@ -154,12 +158,12 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
 #pragma unroll
       for (int i = 0; i < W_PER; ++i) {
         const int grow = global_row(ld_tile, (tid >> 3) + 32 * i);
-        w_off[i] = grow < N ? grow * (K / 8) + 4 * wu : -1;
+        w_off[i] = grow >= N ? -1 : tiled ? (wu >> 1) * 8 * N + grow * 8 + 4 * (wu & 1) : grow * (K / 8) + 4 * wu;
       }
 #pragma unroll
       for (int i = 0; i < S_PER; ++i) {
         const int grow = global_row(ld_tile, (tid >> 2) + 64 * i);
-        s_off[i] = grow < N ? grow * (K / 32) + 2 * su : -1;
+        s_off[i] = grow >= N ? -1 : tiled ? su * 2 * N + grow * 2 : grow * (K / 32) + 2 * su;
       }
     }
     const u32 st = s_base + ld_buf * STAGE_BYTES;
@@ -167,10 +171,10 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
     const bool w_ok = k0 + 32 * wu < K, s_ok = k0 + 64 * su < K, a_ok = k0 + 8 * am < lda;
 #pragma unroll
     for (int i = 0; i < W_PER; ++i)
-      if (w_off[i] >= 0) cp_async16(st + w_dst + 32 * W_ROW * i, w_exp + (w_ok ? w_off[i] + k0 / 8 : 0), w_ok);
+      if (w_off[i] >= 0) cp_async16(st + w_dst + 32 * W_ROW * i, w_exp + (w_ok ? w_off[i] + ld_kt * w_step : 0), w_ok);
 #pragma unroll
     for (int i = 0; i < S_PER; ++i)
-      if (s_off[i] >= 0) cp_async4(st + s_dst + 64 * S_ROW * i, s_exp + (s_ok ? s_off[i] + k0 / 32 : 0), s_ok);
+      if (s_off[i] >= 0) cp_async4(st + s_dst + 64 * S_ROW * i, s_exp + (s_ok ? s_off[i] + ld_kt * s_step : 0), s_ok);
 #pragma unroll
     for (int i = 0; i < A_PER; ++i)
       if (a_off[i] >= 0) cp_async16(st + a_dst + 8 * A_ROW * i, a_src + (a_ok ? a_off[i] + k0 : 0), a_ok);
@@ -305,15 +309,16 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
 #define MOE_GEMMS(NAME, MT, NT, STAGES, MIN_BLOCKS)                                                             \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_up_##NAME(                                       \
       const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot, \
-      const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb) {                        \
+      const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb, int tiled) {             \
     moe_gemm<0, MT, NT, STAGES>(x_perm, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, nullptr, k, H, \
-                                I, n_tiles, tpb);                                                              \
+                                I, n_tiles, tpb, tiled);                                                       \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##NAME(                                     \
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,      \
-      const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb) {  \
+      const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb,     \
+      int tiled) {                                                                                             \
     moe_gemm<1, MT, NT, STAGES>(h, w2_packed, w2_scale, sorted_slot, passes, nullptr, topk_weights, acc, k, H, \
-                                I, n_tiles, tpb);                                                              \
+                                I, n_tiles, tpb, tiled);                                                       \
   }
 
 // (rows per pass MT, n8 tiles per warp half NT, stages, blocks per SM): ~104 KB of shared memory each for the
@@ -391,6 +396,16 @@ __device__ __forceinline__ void skinny_chunk(float (*acc)[4], const uint4 (*w)[2
   }
 }
 
+// Index of 16-byte piece (= scale) g of weight row n of expert e over N rows of `groups` pieces: row-major for
+// compressed-tensors, [K/64][N][2 pieces] for the tiled layout (repack_int4_experts). Split as row part + group part.
+// 32-bit: an expert tensor holds fewer than 2^32 pieces (64 GiB).
+__device__ __forceinline__ u32 skinny_row(int e, int n, int N, int groups, int tiled) {
+  return (u32)e * N * groups + (u32)n * (tiled ? 2 : groups);
+}
+__device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
+  return tiled ? (u32)(g >> 1) * 2 * N + (g & 1) : (u32)g;
+}
+
 #define SK_UP_WARPS 16  // warps of a gate/up block, splitting K
 #define SK_DOWN_WARPS 8  // warps of a down block, 32 output rows each
 
@@ -402,7 +417,7 @@ __device__ __forceinline__ void skinny_chunk(float (*acc)[4], const uint4 (*w)[2
 extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
     const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
-    __nv_bfloat16* __restrict__ h, int k, int H, int I) {
+    __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {
   __shared__ float part[SK_UP_WARPS][2][4][32];
   if (blockIdx.x >= passes[0].x) return;
   const int4 pass = passes[1 + blockIdx.x];
@@ -410,8 +425,12 @@ extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
   const int c0 = blockIdx.y * 16, groups = H / 32, chunks = H / 128;
   const uint4* wq = reinterpret_cast<const uint4*>(w13_packed);
-  const size_t gate = (size_t)e * 2 * I + c0 + r;  // weight row of tile row r (gate); + 8, + I, + I + 8 the others
-  const size_t wrow[2][2] = {{gate, gate + 8}, {gate + I, gate + I + 8}};
+  const int gate = c0 + r;  // the expert's weight row of tile row r (gate); + 8, + I, + I + 8 the others
+  u32 wrow[2][2];  // 16-byte piece (and scale) index of group 0 of each row; skinny_group adds group g's offset
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, gate + m * I + 8 * hh, 2 * I, groups, tiled);
   const uint4* xr = r < rows ? reinterpret_cast<const uint4*>(x) + (size_t)(sorted_slot[row0 + r] / k) * (H / 8)
                              : nullptr;
   float acc[2][4] = {};
@@ -423,8 +442,8 @@ extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        w_[m][hh] = ld_stream(wq + wrow[m][hh] * groups + g);
-        s_[m][hh] = w13_scale[wrow[m][hh] * groups + g];
+        w_[m][hh] = ld_stream(wq + wrow[m][hh] + skinny_group(g, 2 * I, tiled));
+        s_[m][hh] = w13_scale[wrow[m][hh] + skinny_group(g, 2 * I, tiled)];
       }
 #pragma unroll
     for (int q = 0; q < 4; ++q) x_[q] = xr != nullptr ? __ldg(xr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
@@ -473,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
 extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
     const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
     const int* __restrict__ sorted_slot, const int4* __restrict__ passes, const float* __restrict__ topk_weights,
-    float* __restrict__ acc_out, int k, int H, int I) {
+    float* __restrict__ acc_out, int k, int H, int I, int tiled) {
   __shared__ float tile[SK_DOWN_WARPS][16 * 8];
   if (blockIdx.x >= passes[0].x) return;
   const int4 pass = passes[1 + blockIdx.x];
@@ -483,8 +502,11 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
   if (n0 >= H) return;
   const bool tile1 = n0 + 16 < H;
   const uint4* wq = reinterpret_cast<const uint4*>(w2_packed);
-  const size_t base = (size_t)e * H + n0 + r;
-  const size_t wrow[2][2] = {{base, base + 8}, {base + 16, base + 24}};
+  u32 wrow[2][2];  // as in moe_up_skinny; rows past H (a half block) are never loaded
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, n0 + r + 16 * m + 8 * hh, H, groups, tiled);
   const uint4* hr = r < rows ? reinterpret_cast<const uint4*>(h) + (size_t)(row0 + r) * (I / 8) : nullptr;
   float acc[2][4] = {};
 #pragma unroll 2
@@ -497,8 +519,8 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const bool ok = m == 0 || tile1;
-        w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] * groups + g) : make_uint4(0u, 0u, 0u, 0u);
-        sc[m][hh] = ok ? w2_scale[wrow[m][hh] * groups + g] : __float2bfloat16(0.f);
+        w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] + skinny_group(g, H, tiled)) : make_uint4(0u, 0u, 0u, 0u);
+        sc[m][hh] = ok ? w2_scale[wrow[m][hh] + skinny_group(g, H, tiled)] : __float2bfloat16(0.f);
       }
 #pragma unroll
     for (int q = 0; q < 4; ++q) xv[q] = hr != nullptr ? __ldg(hr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
