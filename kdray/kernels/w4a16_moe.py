@@ -54,7 +54,7 @@ PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 T
 # pass = 64 * that); N tiles of WG_BN weight rows, 64 k per stage; shared memory per block WG_SMEM (w4a16_moe.cu's WgCfg).
 WGMMA_VARIANTS = {"wg64": 1, "wg128": 2}
 WG_BN, WG_THREADS = 256, 256
-WG_SMEM = {1: 1024 + 5 * 17408 + 2 * 32768, 2: 1024 + 4 * 25600 + 2 * 32768}
+WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 171008, 194560 bytes
 # Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. First guesses from the
 # tile shapes (a 64-row pass costs about as much tensor time as its weights' HBM time): tune with
 # `python benchmarks/bench_moe.py`, whose sweep prints every family.

@@ -562,7 +562,8 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
 //     16-byte chunk c of row r at c ^ (r & 7), the canonical K-major wgmma layout), packed weights [BN][32 B] and
 //     scales [BN][2];
 //   * all 256 threads dequantize a raw stage into bf16 [BN][64 k] (same swizzle) in one of two B buffers while the
-//     tensor cores run the previous stage (wgmma is asynchronous);
+//     tensor cores run the previous stage (wgmma is asynchronous; two stages' wgmma groups are in flight at the
+//     top of a step, so the tensor cores never wait for the barriers);
 //   * wgmma m64nNk16, both operands from shared memory: WGM = 2 warpgroups each take 64 rows x all 256 columns
 //     (N = 256), or WGM = 1: both warpgroups take the 64 rows, 128 columns each.
 // Up (MODE 0): tile t holds 128 outputs; its B rows are [gate 64][up 64][gate 64][up 64] (outputs 128 t + [0, 64),
@@ -578,7 +579,7 @@ struct WgCfg {
   static constexpr int M = 64 * WGM, WGN = 2 / WGM, NW = WG_BN / WGN;  // rows per pass; columns per warpgroup
   static constexpr int A_BYTES = M * 128, W_BYTES = WG_BN * 32, S_BYTES = WG_BN * 4;
   static constexpr int STAGE = A_BYTES + W_BYTES + S_BYTES;  // a multiple of 1024 (swizzle atom alignment)
-  static constexpr int STAGES = WGM == 2 ? 4 : 5;
+  static constexpr int STAGES = WGM == 2 ? 5 : 6;
   static constexpr int B_BYTES = WG_BN * 128;
   static constexpr int SMEM = 1024 + STAGES * STAGE + 2 * B_BYTES;  // + 1024: the base is rounded up to 1024
 };
@@ -707,9 +708,11 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   fence_proxy_async();  // the generic-proxy stores of B, read next by wgmma (async proxy)
   __syncthreads();
 
-  const bool active = wg_m * 64 < rows;  // warpgroup-uniform: a second warpgroup past the pass's rows idles
+  const bool active = wg_m * 64 < rows;  // warpgroup-uniform: a second warpgroup past the pass's rows stores nothing
   int kt = 0, tile = tile0, slot = 0;
   for (int s = 0; s < n_stages; ++s) {
+    // Step s: wgmma(s) joins wgmma(s - 1) in flight; once (s - 1) is done everywhere, its raw slot takes the copies of
+    // stage s + STAGES - 1 and its B buffer the dequantized stage s + 1.
     const u32 a_st = base + slot * C::STAGE + wg_m * 64 * 128;
     const u32 b_st = b_base + (s & 1) * C::B_BYTES + wg_n * C::NW * 128;
     wg_fence();
@@ -717,19 +720,20 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
     for (int ks = 0; ks < 4; ++ks)  // k16 steps: +32 bytes inside the 128-byte swizzled rows
       wgmma_ss(acc, wg_desc(a_st + 32 * ks, 16, 1024), wg_desc(b_st + 32 * ks, 16, 1024), kt > 0 || ks > 0);
     wg_commit();
-    if (s + C::STAGES - 1 < n_stages) load_next();  // into the slot of stage s - 1, whose wgmma has completed
-    cp_async_commit();
-    cp_async_wait<C::STAGES - 2>();  // stage s + 1 has landed (this thread's copies)
+    wg_wait<1>();                    // this warpgroup's wgmma(s - 1) is done
+    cp_async_wait<C::STAGES - 3>();  // stage s + 1 has landed (this thread's copies)
     fence_proxy_async();
-    __syncthreads();  // ... everyone's
+    __syncthreads();  // ... everyone's; every wgmma(s - 1) done: its raw slot and B buffer are free
+    if (s + C::STAGES - 1 < n_stages) load_next();  // into the slot of stage s - 1
+    cp_async_commit();
     slot = slot == C::STAGES - 1 ? 0 : slot + 1;
     if (s + 1 < n_stages) dequant(slot, (s + 1) & 1);  // overlaps the tensor cores' work on stage s
     fence_proxy_async();
-    wg_wait<0>();
-    wg_pin(acc);
-    __syncthreads();  // B buffer (s & 1) and raw slot of stage s free; B of stage s + 1 complete
+    __syncthreads();  // B of stage s + 1 complete
     if (++kt < KT) continue;
     // Epilogue of tile `tile`: acc[4 j + v] is row m_lo + 8 (v >> 1), column 8 j + c2 + (v & 1) of the slice.
+    wg_wait<0>();
+    wg_pin(acc);
     if (active) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -759,6 +763,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
     kt = 0;
     ++tile;
   }
+  wg_wait<0>();
   cp_async_wait<0>();
 #else
   __trap();  // the Python side launches these on sm_90 only
