@@ -506,3 +506,21 @@ def test_cuda_wgmma_rejects_unsupported_operands():
     # the automatic choice falls back to the other families there: still correct
     out = w4a16_moe(x, *repack_int4_experts(*ct), ids, weights)
     assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_wgmma_token_chunks_give_the_same_bits(monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    import kdray.kernels.w4a16_moe as moe
+
+    gen = torch.Generator("cuda").manual_seed(13)
+    T, H, I, E, k = 1000, 1024, 256, 32, 8
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _ragged_routing(T, E, k, gen)
+    whole = _w4a16_moe_cuda(x, *tiled, ids, weights, add, variant="wg64")
+    monkeypatch.setattr(moe, "WG_CHUNK_TOKENS", 300)  # 4 chunks, the last one short
+    poison_allocator()
+    assert torch.equal(_w4a16_moe_cuda(x, *tiled, ids, weights, add, variant="wg64"), whole)

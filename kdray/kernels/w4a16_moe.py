@@ -59,6 +59,9 @@ WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 
 # tile shapes (a 64-row pass costs about as much tensor time as its weights' HBM time): tune with
 # `python benchmarks/bench_moe.py`, whose sweep prints every family.
 WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 16, 64
+# The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
+# launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
+WG_CHUNK_TOKENS = 16384
 ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
 ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
@@ -315,8 +318,11 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     elif variant not in WGMMA_VARIANTS and variant not in VARIANTS and variant != SKINNY:
         raise ValueError(f"unknown variant {variant!r}; choose from {[SKINNY, *VARIANTS, *WGMMA_VARIANTS]}")
     if variant in WGMMA_VARIANTS:
-        return _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out,
-                          routing, E, H, I, k, sms)
+        for t0 in range(0, T, WG_CHUNK_TOKENS):  # tokens are independent: chunks give the same bits
+            t1 = min(T, t0 + WG_CHUNK_TOKENS)
+            _wgmma_moe(variant, x[t0:t1], w13_packed, w13_scale, w2_packed, w2_scale, topk_ids[t0:t1],
+                       topk_weights[t0:t1], None if add is None else add[t0:t1], out[t0:t1], routing, E, H, I, k, sms)
+        return out
     if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
     if variant == SKINNY and (H % 128 or I % 128):
