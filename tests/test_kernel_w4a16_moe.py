@@ -409,7 +409,8 @@ def _ragged_routing(T, E, k, gen, skip=0.05):
 WGMMA_SHAPES = [(T, 1024, 256, E) for T in (64, 257, 1024, 2080, 4096) for E in (8, 384)] + [
     (2080, 7168, 256, 384),  # K2 TP8 shard: a 32 x 65-node verify
     (4096, 7168, 256, 384),  # a K2 TP8 prefill chunk
-    (300, 768, 384, 16),  # 3 up tiles, 3 down tiles, K = I = 6 stages
+    (300, 768, 384, 16),  # 3 up tiles, 3 down tiles, K = I = 6 stages: h streamed (I > WG_RES_K)
+    (200, 512, 128, 8),  # one up tile, h resident with K = I = 2 stages
 ]
 
 

@@ -51,10 +51,13 @@ SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
 # Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> warpgroups along M (rows per
-# pass = 64 * that); N tiles of WG_BN weight rows, 64 k per stage; shared memory per block WG_SMEM (w4a16_moe.cu's WgCfg).
+# pass = 64 * that); N tiles of WG_BN weight rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg).
 WGMMA_VARIANTS = {"wg64": 1, "wg128": 2}
 WG_BN, WG_THREADS = 256, 256
 WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 171008, 194560 bytes
+# The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
+WG_RES_K = 256
+WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
 # Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. First guesses from the
 # tile shapes (a 64-row pass costs about as much tensor time as its weights' HBM time): tune with
 # `python benchmarks/bench_moe.py`, whose sweep prints every family.
@@ -421,9 +424,10 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
            shared_mem=WG_SMEM[wgm], device=dev)
     n_down = H // WG_BN  # tiles of 256 output rows over K = I
     tpb = _tiles_per_block(n_down, I // 64, busy, sms)
-    launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (WG_THREADS,),
-           (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I), i32(n_down),
-            i32(tpb)), shared_mem=WG_SMEM[wgm], device=dev)
+    res = I <= WG_RES_K  # h rows resident in shared memory across the block's N tiles
+    launch("w4a16_moe", f"moe_down_{variant}" + ("_res" if res else ""), (max_passes, math.ceil(n_down / tpb)),
+           (WG_THREADS,), (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I),
+                           i32(n_down), i32(tpb)), shared_mem=(WG_SMEM_RES if res else WG_SMEM)[wgm], device=dev)
     n8 = T * H // 8
     launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
            (y, topk_ids, add if add is not None else 0, out, i32(T), i32(H), i32(k), i32(E)), device=dev)

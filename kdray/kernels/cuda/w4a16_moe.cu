@@ -574,16 +574,25 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
 #define WG_BN 256     // weight rows per N tile
 #define WG_THREADS 256
 
-template <int WGM>
+#define WG_RES_K 256  // the down GEMM keeps its pass's h rows in shared memory when I <= WG_RES_K
+
+// RES: the pass's activation rows [M][K <= WG_RES_K] are loaded once into shared memory (64-k chunks of [M][128 B],
+// swizzled) instead of with every stage; the down GEMM's K = I is that small for K2 TP8 (256), and its N tiles
+// would otherwise read the same rows 28 times.
+template <int WGM, bool RES>
 struct WgCfg {
   static constexpr int M = 64 * WGM, WGN = 2 / WGM, NW = WG_BN / WGN;  // rows per pass; columns per warpgroup
-  static constexpr int A_BYTES = M * 128, W_BYTES = WG_BN * 32, S_BYTES = WG_BN * 4;
+  static constexpr int A_BYTES = RES ? 0 : M * 128, W_BYTES = WG_BN * 32, S_BYTES = WG_BN * 4;
   static constexpr int STAGE = A_BYTES + W_BYTES + S_BYTES;  // a multiple of 1024 (swizzle atom alignment)
-  static constexpr int STAGES = WGM == 2 ? 5 : 6;
+  static constexpr int STAGES = RES ? 8 : WGM == 2 ? 5 : 6;
+  static constexpr int RES_BYTES = RES ? M * WG_RES_K * 2 : 0;
   static constexpr int B_BYTES = WG_BN * 128;
-  static constexpr int SMEM = 1024 + STAGES * STAGE + 2 * B_BYTES;  // + 1024: the base is rounded up to 1024
+  // [resident A][raw stages][2 B buffers]; + 1024: the base is rounded up to 1024
+  static constexpr int SMEM = 1024 + RES_BYTES + STAGES * STAGE + 2 * B_BYTES;
 };
-static_assert(WgCfg<1>::STAGE % 1024 == 0 && WgCfg<2>::STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
+static_assert(WgCfg<1, false>::STAGE % 1024 == 0 && WgCfg<2, false>::STAGE % 1024 == 0 &&
+              WgCfg<1, true>::STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
+static_assert(WgCfg<2, true>::SMEM <= 227 * 1024 && WgCfg<2, false>::SMEM <= 227 * 1024, "shared memory per block");
 
 // Word of 8 nibbles (8 consecutive k) -> 4 bf16x2 (k 2j, 2j + 1) * scale, q = u - 8: natural k order.
 __device__ __forceinline__ void dequant_word_natural(u32 w, __nv_bfloat162 scale, u32* out) {
@@ -598,17 +607,18 @@ __device__ __forceinline__ void dequant_word_natural(u32 w, __nv_bfloat162 scale
 }
 
 // MODE 0: a_src = x [T, H], w = w13 tiled, writes h [slots, I]. MODE 1: a_src = h, w = w2 tiled, writes y
-// [T * k, H]. Launch: grid (max_passes, ceil(n_tiles / tpb)), block 256, shared WgCfg<WGM>::SMEM bytes.
-// Needs H % 256 == 0, I % 128 == 0 (checked by the caller).
-template <int MODE, int WGM>
-__device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__ a_src, const int* __restrict__ w_packed,
+// [T * k, H]. Launch: grid (max_passes, ceil(n_tiles / tpb)), block 256, shared WgCfg<WGM, RES>::SMEM bytes.
+// Needs H % 256 == 0, I % 128 == 0, and with RES K <= WG_RES_K (checked by the caller).
+template <int MODE, int WGM, bool RES>
+__device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__ a_src,
+                                               const int* __restrict__ w_packed,
                                                const __nv_bfloat16* __restrict__ w_scale,
                                                const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
                                                __nv_bfloat16* __restrict__ out, const float* __restrict__ topk_weights,
                                                int k, int H, int I, int n_tiles, int tpb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = WgCfg<WGM>;
-  constexpr int A_PER = C::M / 32;  // 16-byte activation chunks per thread and stage
+  using C = WgCfg<WGM, RES>;
+  constexpr int A_PER = RES ? 1 : C::M / 32;  // 16-byte activation chunks per thread and stage
   extern __shared__ unsigned char wg_smem[];
   if (blockIdx.x >= passes[0].x) return;
   const int4 pass = passes[1 + blockIdx.x];
@@ -620,7 +630,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   const int wg_m = WGM == 2 ? wg : 0, wg_n = WGM == 2 ? 0 : wg;
   const u32 base = (smem_u32(wg_smem) + 1023) & ~1023u;
   unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
-  const u32 b_base = base + C::STAGES * C::STAGE;
+  const u32 raw_base = base + C::RES_BYTES, b_base = raw_base + C::STAGES * C::STAGE;
   const int* w_exp = w_packed + (size_t)e * KT * N * 8;
   const __nv_bfloat16* s_exp = w_scale + (size_t)e * KT * N * 2;
 
@@ -630,13 +640,23 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
 #pragma unroll
   for (int i = 0; i < A_PER; ++i) {
     const int ar = (tid >> 3) + 32 * i;
-    a_off[i] = ar < rows ? (MODE == 0 ? (sorted_slot[row0 + ar] / k) * H : (row0 + ar) * I) + 8 * (tid & 7) : -1;
+    a_off[i] = RES || ar >= rows ? -1
+                                 : (MODE == 0 ? (sorted_slot[row0 + ar] / k) * H : (row0 + ar) * I) + 8 * (tid & 7);
   }
   const u32 a_dst = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
   // Weight row of B row r of tile t (MODE 0: [gate 64][up 64][gate 64][up 64] of outputs 128 t + [0, 128)).
   auto grow = [&](int t, int r) {
     return MODE == 0 ? ((r >> 6) & 1) * I + t * 128 + (r >> 7) * 64 + (r & 63) : t * WG_BN + r;
   };
+  if (RES) {  // the pass's rows, all of K, once (they join stage 0's copy group): chunk q -> row q / (K / 8)
+    const int per_row = K / 8;
+    for (int q = tid; q < C::M * per_row; q += WG_THREADS) {
+      const int ar = q / per_row, ch = q - ar * per_row, c = ch & 7;
+      if (ar < rows)
+        cp_async16(base + (ch >> 3) * C::M * 128 + ar * 128 + ((c ^ (ar & 7)) << 4),
+                   a_src + (MODE == 0 ? (sorted_slot[row0 + ar] / k) * H : (row0 + ar) * I) + 8 * ch, true);
+    }
+  }
   int ld_kt = 0, ld_tile = tile0, ld_slot = 0;
   int w_row[2], s_row = 0;
   auto load_next = [&]() {
@@ -645,11 +665,11 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
       for (int i = 0; i < 2; ++i) w_row[i] = grow(ld_tile, (tid >> 1) + 128 * i);
       s_row = grow(ld_tile, 4 * (tid & 63));
     }
-    const u32 st = base + ld_slot * C::STAGE;
+    const u32 st = raw_base + ld_slot * C::STAGE;
     const int k0 = ld_kt * 64;
 #pragma unroll
     for (int i = 0; i < A_PER; ++i)
-      if (a_off[i] >= 0) cp_async16(st + a_dst + 32 * 128 * i, a_src + a_off[i] + k0, true);
+      if (!RES && a_off[i] >= 0) cp_async16(st + a_dst + 32 * 128 * i, a_src + a_off[i] + k0, true);
     const int* wk = w_exp + (size_t)ld_kt * N * 8 + 4 * (tid & 1);
 #pragma unroll
     for (int i = 0; i < 2; ++i) cp_async16(st + C::A_BYTES + (tid + 256 * i) * 16, wk + w_row[i] * 8, true);
@@ -663,8 +683,8 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   };
   // Raw stage `slot` -> bf16 B buffer `buf`: unit (row r, half) per thread and i: r = (tid >> 1) + 128 i.
   auto dequant = [&](int slot, int buf) {
-    const unsigned char* st = sbase + slot * C::STAGE;
-    unsigned char* b = sbase + C::STAGES * C::STAGE + buf * C::B_BYTES;
+    const unsigned char* st = sbase + C::RES_BYTES + slot * C::STAGE;
+    unsigned char* b = sbase + C::RES_BYTES + C::STAGES * C::STAGE + buf * C::B_BYTES;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = (tid >> 1) + 128 * i, half = tid & 1;
@@ -713,7 +733,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   for (int s = 0; s < n_stages; ++s) {
     // Step s: wgmma(s) joins wgmma(s - 1) in flight; once (s - 1) is done everywhere, its raw slot takes the copies of
     // stage s + STAGES - 1 and its B buffer the dequantized stage s + 1.
-    const u32 a_st = base + slot * C::STAGE + wg_m * 64 * 128;
+    const u32 a_st = (RES ? base + kt * C::M * 128 : raw_base + slot * C::STAGE) + wg_m * 64 * 128;
     const u32 b_st = b_base + (s & 1) * C::B_BYTES + wg_n * C::NW * 128;
     wg_fence();
 #pragma unroll
@@ -774,14 +794,23 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_up_##NAME(                                  \
       const __nv_bfloat16* x, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot,   \
       const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb) {                      \
-    moe_wgmma_gemm<0, WGM>(x, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, k, H, I, n_tiles, tpb); \
+    moe_wgmma_gemm<0, WGM, false>(x, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, k, H, I, n_tiles, \
+                                  tpb);                                                                        \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_down_##NAME(                                \
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,     \
       const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,      \
       int tpb) {                                                                                               \
-    moe_wgmma_gemm<1, WGM>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I, n_tiles,    \
-                           tpb);                                                                               \
+    moe_wgmma_gemm<1, WGM, false>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I,      \
+                                  n_tiles, tpb);                                                               \
+  }                                                                                                            \
+  /* I <= WG_RES_K: the pass's h rows stay in shared memory across the N tiles */                              \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_down_##NAME##_res(                          \
+      const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,     \
+      const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,      \
+      int tpb) {                                                                                               \
+    moe_wgmma_gemm<1, WGM, true>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I,       \
+                                 n_tiles, tpb);                                                                \
   }
 
 MOE_WGMMA(wg64, 1)   // 64-row passes: both warpgroups on the same rows, 128 columns each
