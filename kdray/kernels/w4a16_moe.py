@@ -23,10 +23,21 @@ verify step's MoE can be captured in a CUDA graph:
    (fp32 reductions) into ``acc [T, H]``.
 4. ``moe_finalize``: ``acc`` (+ ``add``) -> ``out`` in bf16.
 
-Two families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
+Three families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
 (passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
 rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
-staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass).
+staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
+``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``: 64- or 128-row passes, N tiles
+of 256 weight rows, 64 k per stage; the INT4 tile is dequantized once per pass into bf16 shared memory and both
+wgmma operands come from shared memory). The wgmma family reads x and h in natural k order (no permuted x; the
+prep only sorts), writes each (token, slot)'s weighted output row in bf16 and sums a token's rows in slot order
+(``moe_finalize_slots``): its results are the same bits on every call. It runs batches of more than
+``WG_CHUNK_TOKENS`` tokens in chunks.
+
+Expert layouts: compressed-tensors (``[E, N, K/8]`` int32 and ``[E, N, K/32]`` scales, as loaded) or the tiled
+layout of :func:`repack_int4_experts` (``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]``: one K tile of an N tile's rows is
+one contiguous run; the same bytes, so it replaces the loaded copy). Every family reads either; the wgmma family
+needs the tiled one. ``MoE.load`` (``model/k2.py``) repacks the experts when they live on a GPU.
 """
 from __future__ import annotations
 
@@ -404,6 +415,9 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     wgm = WGMMA_VARIANTS[variant]
     mt = 64 * wgm
     max_passes = min(E, slots) + slots // mt
+    if max_passes > 65535:  # the grid's y dimension
+        raise ValueError(f"{T} tokens x top-{k} over {E} experts make up to {max_passes} passes of {mt} rows, past the "
+                         f"65535 one launch takes; lower WG_CHUNK_TOKENS")
     sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)
     h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
@@ -419,13 +433,13 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     busy = min(E, slots)
     n_up = I // 128  # tiles of 128 gate + 128 up rows over K = H
     tpb = _tiles_per_block(n_up, H // 64, busy, sms)
-    launch("w4a16_moe", f"moe_up_{variant}", (max_passes, math.ceil(n_up / tpb)), (WG_THREADS,),
+    launch("w4a16_moe", f"moe_up_{variant}", (math.ceil(n_up / tpb), max_passes), (WG_THREADS,),
            (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
            shared_mem=WG_SMEM[wgm], device=dev)
     n_down = H // WG_BN  # tiles of 256 output rows over K = I
     tpb = _tiles_per_block(n_down, I // 64, busy, sms)
     res = I <= WG_RES_K  # h rows resident in shared memory across the block's N tiles
-    launch("w4a16_moe", f"moe_down_{variant}" + ("_res" if res else ""), (max_passes, math.ceil(n_down / tpb)),
+    launch("w4a16_moe", f"moe_down_{variant}" + ("_res" if res else ""), (math.ceil(n_down / tpb), max_passes),
            (WG_THREADS,), (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I),
                            i32(n_down), i32(tpb)), shared_mem=(WG_SMEM_RES if res else WG_SMEM)[wgm], device=dev)
     n8 = T * H // 8

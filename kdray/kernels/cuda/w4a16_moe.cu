@@ -607,7 +607,9 @@ __device__ __forceinline__ void dequant_word_natural(u32 w, __nv_bfloat162 scale
 }
 
 // MODE 0: a_src = x [T, H], w = w13 tiled, writes h [slots, I]. MODE 1: a_src = h, w = w2 tiled, writes y
-// [T * k, H]. Launch: grid (max_passes, ceil(n_tiles / tpb)), block 256, shared WgCfg<WGM, RES>::SMEM bytes.
+// [T * k, H]. Launch: grid (ceil(n_tiles / tpb), max_passes), block 256, shared WgCfg<WGM, RES>::SMEM bytes: the
+// blocks of one pass run side by side (its activation rows are read from L2 once), then those of the expert's next
+// pass (its weights again).
 // Needs H % 256 == 0, I % 128 == 0, and with RES K <= WG_RES_K (checked by the caller).
 template <int MODE, int WGM, bool RES>
 __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__ a_src,
@@ -620,11 +622,11 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   using C = WgCfg<WGM, RES>;
   constexpr int A_PER = RES ? 1 : C::M / 32;  // 16-byte activation chunks per thread and stage
   extern __shared__ unsigned char wg_smem[];
-  if (blockIdx.x >= passes[0].x) return;
-  const int4 pass = passes[1 + blockIdx.x];
+  if (blockIdx.y >= passes[0].x) return;
+  const int4 pass = passes[1 + blockIdx.y];
   const int e = pass.x, row0 = pass.y, rows = pass.z;
   const int K = MODE == 0 ? H : I, N = MODE == 0 ? 2 * I : H, KT = K / 64;
-  const int tile0 = blockIdx.y * tpb;
+  const int tile0 = blockIdx.x * tpb;
   const int n_stages = (min(tile0 + tpb, n_tiles) - tile0) * KT;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int wg_m = WGM == 2 ? wg : 0, wg_n = WGM == 2 ? 0 : wg;
