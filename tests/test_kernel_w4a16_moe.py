@@ -385,7 +385,7 @@ def test_wgmma_family_support_and_choice():
     assert "got H=7168, I=192" in _wgmma_ok((9, 0), 7168, 192, True)
     E, H, I = 384, 7168, 256
     assert _choose_variant(E, H, I, 8 * 64, wgmma=True) == SKINNY
-    assert _choose_variant(E, H, I, 8 * 1024, wgmma=True) == "wg64"
+    assert _choose_variant(E, H, I, 8 * 1024, wgmma=True) == "m32n2"
     assert _choose_variant(E, H, I, 8 * 2080, wgmma=True) == "wg64"
     assert _choose_variant(E, H, I, 8 * 4096, wgmma=True) == "wg128"
     assert _choose_variant(E, H, I, 8 * 4096, wgmma=False) == "m64n2"
@@ -469,7 +469,7 @@ def test_cuda_wgmma_graph_replay_equals_eager():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma family needs an sm_90 GPU")
     gen = torch.Generator("cuda").manual_seed(11)
-    T, H, I, E, k = 1024, 1024, 256, 64, 8
+    T, H, I, E, k = 1024, 1024, 256, 64, 8  # 128 slots per expert: wg128
     tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
     assert _choose_variant(E, H, I, T * k, wgmma=True) in WGMMA_VARIANTS
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
