@@ -525,3 +525,24 @@ def test_cuda_wgmma_token_chunks_give_the_same_bits(monkeypatch):
     monkeypatch.setattr(moe, "WG_CHUNK_TOKENS", 300)  # 4 chunks, the last one short
     poison_allocator()
     assert torch.equal(_w4a16_moe_cuda(x, *tiled, ids, weights, add, variant="wg64"), whole)
+
+
+@pytest.mark.gpu
+def test_cuda_wgmma_routed_in_prep_equals_route_then_moe():
+    """routed_w4a16_moe routing inside the prep launch ahead of the wgmma GEMMs (8 experts, top-8: 32 rows each)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    gen = torch.Generator("cuda").manual_seed(14)
+    T, H, I, E, k = ROUTE_PREP_MAX_T, 1024, 256, 8, 8
+    assert _choose_variant(E, H, I, T * k, wgmma=True) in WGMMA_VARIANTS
+    int4 = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    routing = (k, 1, 1, True, 2.827, None)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.05
+    logits, bias = _router(T, E, "cuda", gen)
+    poison_allocator()
+    out, ids, weights = routed_w4a16_moe(x, *int4, logits, bias, *routing, add=add)
+    unfused = _route_then_moe(x, int4, logits, bias, routing, add)
+    assert torch.equal(ids, unfused[1]) and torch.equal(weights, unfused[2])
+    assert torch.equal(out, unfused[0])  # the wgmma family's sums are ordered: the same bits
+    assert rel_err(out, w4a16_moe_reference(x.float(), *int4, ids, weights) + add.float()) < 1e-2
