@@ -214,7 +214,7 @@ class MoE(nn.Module):
             self.w2_scale[local] = reader.get(f"{ep}.down_proj.weight_scale", (H, I // g), (1, i0 // g, i1 // g))
         if self.shared is not None:
             self.shared.load(reader, f"{prefix}.shared_experts")
-        if self.w13_packed.is_cuda if cfg.quantization is not None else False:
+        if cfg.quantization is not None and self.w13_packed.is_cuda:
             self.tile_experts()
 
     @torch.no_grad()
