@@ -306,8 +306,8 @@ def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> 
 
 def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
                     variant: str | None = None, routing: tuple | None = None) -> torch.Tensor:
-    """The CUDA path; ``variant`` (a ``VARIANTS`` key or ``SKINNY``) overrides the choice by shape (benchmarks
-    sweep it). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
+    """The CUDA path; ``variant`` (a ``VARIANTS`` or ``WGMMA_VARIANTS`` key, or ``SKINNY``) overrides the choice by
+    shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
     scratch) makes the prep launch write ``topk_ids`` and ``topk_weights`` first."""
     from kdray.kernels.cuda_module import launch
 
