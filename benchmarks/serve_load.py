@@ -7,7 +7,10 @@ loads a server that is already running). Workloads (``--workload``):
   completion (greedy, ``--max-tokens``, a held-out prompt) and the next when it ends. Columns: output tokens/s
   of the server, time to first token p50/p99, per-request tokens/s after the first token (median), requests.
 - ``shared-prefix``: requests one after another, each a ``--prefix-tokens`` system prompt shared by all and a
-  short question: time to first token p50 (compare ``--args '{"prefix_caching": false}'``).
+  short question: time to first token p50 (compare ``--args '{"prefix_caching": false}'``), and where it goes:
+  client mean minus the replica's mean (its handler -> first token chunk) is the HTTP and Serve path, the
+  replica's minus the engine's the handler's own work; ``GET /health`` p50 is that path with no body and no
+  engine (compare Serve's ingress: ``RAY_SERVE_ENABLE_HA_PROXY=1``, see ``kdray serve --ingress``).
 - ``long-prompt``: C streams decode while a ``--long-tokens`` prompt arrives every ``--long-every`` seconds:
   the streams' gaps between chunks, median and p99 (compare ``--args '{"prefill_chunk": 100000}'``).
 
@@ -139,14 +142,23 @@ async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
         before = await scrape(session, url)
         runs += [await one_request(session, url, model, texts[i][:200], 16, system) for i in range(1, 12)]
         after = await scrape(session, url)
+        health = [await round_trip(session, f"{url}/health") for _ in range(50)]
     ttft = [r["ttft"] for r in runs[1:]]
 
     def mean(histogram: str) -> float:
         return since(after, before, f"{histogram}_sum") / max(1.0, since(after, before, f"{histogram}_count"))
 
-    return {"ttft_p50": statistics.median(ttft), "ttft_first": runs[0]["ttft"],
+    return {"ttft_p50": statistics.median(ttft), "ttft_mean": statistics.mean(ttft), "ttft_first": runs[0]["ttft"],
             "server_ttft_mean": mean("kdray_server_time_to_first_token_seconds"),
-            "engine_ttft_mean": mean("kdray_time_to_first_token_seconds")}
+            "engine_ttft_mean": mean("kdray_time_to_first_token_seconds"), "health_p50": statistics.median(health)}
+
+
+async def round_trip(session: aiohttp.ClientSession, url: str) -> float:
+    """Seconds for one ``GET url`` and its whole body."""
+    start = time.perf_counter()
+    async with session.get(url) as r:
+        await r.read()
+    return time.perf_counter() - start
 
 
 async def long_prompts(url: str, model: str, args, texts: list[str], streams: int) -> dict:
@@ -213,8 +225,11 @@ def main(argv=None) -> int:
         if args.workload == "shared-prefix":
             r = asyncio.run(shared_prefix(url, args.model, args, texts))
             rows.append([label(spec), str(args.prefix_tokens), f"{1e3 * r['ttft_first']:.0f}",
-                         f"{1e3 * r['ttft_p50']:.0f}", f"{1e3 * r['server_ttft_mean']:.0f}",
-                         f"{1e3 * r['engine_ttft_mean']:.0f}"])
+                         f"{1e3 * r['ttft_p50']:.0f}", f"{1e3 * r['ttft_mean']:.1f}",
+                         f"{1e3 * r['server_ttft_mean']:.1f}", f"{1e3 * r['engine_ttft_mean']:.1f}",
+                         f"{1e3 * (r['ttft_mean'] - r['server_ttft_mean']):.1f}",
+                         f"{1e3 * (r['server_ttft_mean'] - r['engine_ttft_mean']):.1f}",
+                         f"{1e3 * r['health_p50']:.1f}"])
             continue
         if args.workload == "long-prompt":
             r = asyncio.run(long_prompts(url, args.model, args, texts, args.concurrency[0]))
@@ -230,7 +245,9 @@ def main(argv=None) -> int:
     header = {"chat": ["mode", "concurrency", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "per-request tok/s",
                        "requests"],
               "shared-prefix": ["mode", "shared prefix tokens", "first TTFT ms", "TTFT p50 ms (later requests)",
-                                "in the replica: TTFT mean ms", "in the engine: TTFT mean ms"],
+                                "TTFT mean ms", "in the replica: TTFT mean ms", "in the engine: TTFT mean ms",
+                                "HTTP + Serve: client - replica ms", "handler: replica - engine ms",
+                                "GET /health p50 ms"],
               "long-prompt": ["mode", "streams", "arriving prompt tokens", "stream gap p50 ms",
                               "stream gap p99 ms", "p99 / p50", "engine steps over 100 ms"]}[args.workload]
     title = (f"# {datetime.date.today()} serve_load {args.workload}: {args.model}, streaming chat, greedy, "

@@ -20,6 +20,7 @@ from pathlib import Path
 from kdray.engine.args import EngineArgs
 from kdray.serve.args import ServeArgs
 
+INGRESS_ENV = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}  # --ingress -> the Ray cluster's env
 BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py",
               "serve-load": "serve_load.py", "reliability": "reliability.py", "k2-step": "k2_step.py",
               "k2-prefill": "k2_prefill.py", "drafter-tau": "drafter_tau.py"}  # name -> benchmarks/ file
@@ -70,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--address", help="Ray cluster address (default: start or join a local one)")
     srv.add_argument("--replace", action="store_true", help="replace a kdray app that already runs on the cluster")
+    srv.add_argument("--ingress", choices=sorted(INGRESS_ENV), default="proxy",
+                     help="Serve's HTTP ingress: proxy (its Python proxy actor, ~5 ms a request on 2 CPU cores) or "
+                          "haproxy (HAProxy straight to the replicas' own HTTP servers, ~1 ms; experimental in Ray "
+                          "Serve, and each replica listens on a port of its own, 30000-31000, on --host); haproxy "
+                          "starts its own Ray cluster (for a running one, export RAY_SERVE_ENABLE_HA_PROXY=1 before "
+                          "`ray start`)")
     add_setting_flags(srv, ServeArgs, "engine and server")
 
     batch = sub.add_parser("batch", help="run OpenAI Batch JSONL files").add_subparsers(dest="batch_command",
@@ -126,6 +133,7 @@ def serve_forever(args: argparse.Namespace) -> int:
     warning = open_without_key(args.host, settings.get("api_key") or os.environ.get("KDRAY_API_KEY"))
     if warning:
         print(f"kdray serve: warning: {warning}", file=sys.stderr)
+    os.environ.update(ingress_env(args.ingress, args.address))
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     check_serve(args.host, args.port, args.replace)
@@ -134,6 +142,17 @@ def serve_forever(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: tear the app down, as `serve run` does
         serve.shutdown()
     return 0
+
+
+def ingress_env(ingress: str, address: str | None) -> dict[str, str]:
+    """The environment the Ray cluster that ``kdray serve`` starts needs for Serve's ``ingress`` (read by every
+    Serve process at start-up, so a running cluster cannot take it)."""
+    env = INGRESS_ENV[ingress]
+    if env and (address or os.environ.get("RAY_ADDRESS")):
+        raise ValueError(f"--ingress {ingress} needs a Ray cluster started with "
+                         f"{' '.join(f'{k}={v}' for k, v in env.items())}: leave out --address (and RAY_ADDRESS) to "
+                         "start one, or export it before `ray start` and use the default --ingress")
+    return env
 
 
 def check_serve(host: str, port: int, replace: bool):

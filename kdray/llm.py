@@ -109,11 +109,10 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+                for out in self.engine.step(stream=False):  # the finished requests alone
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
             self.engine.drain()  # the step launched past the last finish: its pages come back
         except BaseException:
             for rid in ids:

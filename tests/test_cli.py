@@ -102,6 +102,28 @@ def test_kdray_serve_warns_when_it_listens_beyond_loopback_without_a_key(monkeyp
     assert "warning" not in capsys.readouterr().err
 
 
+def test_kdray_serve_ingress_sets_the_env_of_the_cluster_it_starts(monkeypatch, capsys):
+    import os
+
+    import ray
+
+    seen = []
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("KDRAY_API_KEY", "sk-x")
+
+    def init(**kw):
+        seen.append(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY"))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(ray, "init", init)
+    assert main(["serve"]) == 2
+    assert main(["serve", "--ingress", "haproxy"]) == 2
+    assert seen == [None, "1"]  # Ray's processes inherit the driver's environment
+    assert main(["serve", "--ingress", "haproxy", "--address", "auto"]) == 2
+    assert seen == [None, "1"] and "export it before `ray start`" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_kdray_serve_refuses_a_running_serve_with_other_http_options(serve_cluster, monkeypatch):
     from types import SimpleNamespace

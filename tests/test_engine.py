@@ -2,14 +2,16 @@
 pages and slots, continuous batching under the step-token bound, exact stops inside multi-token steps,
 aborts and runner failures."""
 import pytest
+import torch
 
 from kdray import SamplingParams
 from kdray.config import SpecConfig
 from kdray.engine.engine import Engine, RunnerFailure
 from kdray.engine.kv_pages import PagePool, extend_keys
 from kdray.engine.layout import EngineLayout
+from kdray.engine.runner import SlotState
 from kdray.engine.scheduler import Scheduler
-from kdray.engine.step import Pending, StepResult, first_tokens
+from kdray.engine.step import Pending, PrefillBatch, StepResult, first_tokens
 
 VOCAB = 50
 
@@ -359,6 +361,42 @@ class CountingTokenizer(AngleTokenizer):
         return super().decode(ids)
 
 
+class CallCountingTokenizer(AngleTokenizer):
+    """Counts its decode calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids):
+        self.calls += 1
+        return super().decode(ids)
+
+
+def run_final_only(engine, prompts, params):
+    """``run`` with ``step(stream=False)``: each output is a finished request's, reported once."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(stream=False):
+            assert out.finished and out.request_id not in done
+            done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_final_only_steps_report_the_finished_requests_text_made_once():
+    prompts = [[1, 2, 3], [4] * 9, [5, 6], [7]]
+    eos = expected(prompts[3], 9)[8]
+    params = [SamplingParams(max_tokens=n, ignore_eos=i < 3) for i, n in enumerate((7, 12, 1, 30))]
+    streamed = run(make_engine(FakeRunner(accept=3), tokenizer=AngleTokenizer(), eos=(eos,)), prompts, params)
+    tok = CallCountingTokenizer()
+    final = run_final_only(make_engine(FakeRunner(accept=3), tokenizer=tok, eos=(eos,)), prompts, params)
+    key = lambda o: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)  # noqa: E731
+    assert [key(o) for o in final] == [key(o) for o in streamed]
+    assert final[3].outputs[0].finish_reason == "stop" and final[3].outputs[0].text
+    assert tok.calls <= 4 * len(prompts)  # the window, the context and the flush once per request, not per step
+
+
 def test_host_work_per_token_does_not_grow_with_the_output_length():
     """Text grows by incremental detokenization and stop strings are looked for in the new text only, so the
     decoding work per token is the same for a long output as for a short one (not quadratic)."""
@@ -370,3 +408,24 @@ def test_host_work_per_token_does_not_grow_with_the_output_length():
         assert outs[0].outputs[0].text == AngleTokenizer().decode(expected([1], n))
         per_token.append(tok.decoded / n)
     assert per_token[1] <= 1.1 * per_token[0] and per_token[1] < 20
+
+
+def test_slot_settings_tell_which_batches_sample_or_pay_for_features():
+    """A batch is greedy and plain unless a slot's current request samples or uses a costly feature; a slot's
+    settings are replaced when another request takes it."""
+    slots = SlotState(4, 2, 8, torch.device("cpu"), vocab=VOCAB)
+
+    def admit(slot: int, params: SamplingParams):
+        slots.admit(PrefillBatch(slots=[slot], prompts=[[1]], starts=[0], pages=[[slot]], params=[params], seeds=[0],
+                                 last=[True], roots=[None], prompt_lens=[1], bans=[[]], histories=[None], scored=[[]]))
+
+    admit(0, SamplingParams())
+    admit(1, SamplingParams())
+    assert slots.all_greedy([0, 1]) and slots.extras([0, 1]) == ()
+    admit(2, SamplingParams(temperature=0.7))
+    admit(3, SamplingParams(logit_bias={1: 2.0}))
+    assert not slots.all_greedy([1, 2]) and slots.all_greedy([0, 1, 3])
+    assert slots.extras([0, 3]) == ("bias",) and slots.extras([0, 2]) == ()
+    admit(2, SamplingParams())
+    admit(3, SamplingParams())
+    assert slots.special == 0 and slots.all_greedy([0, 1, 2, 3]) and slots.extras([2, 3]) == ()

@@ -38,6 +38,7 @@ class _Launch:
     prefill: bool
     nodes: int = 0
     at: float = 0.0  # perf_counter when launched
+    grammar: bool = False  # a sequence has a grammar
     last: list[bool] | None = None  # prefill: which chunks end their context
     starts: list[int] | None = None  # prefill: where each chunk starts
 
@@ -66,7 +67,7 @@ class Engine:
             raise ValueError(f"request id '{request_id}' is already in use")
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context limit is {self.max_model_len} "
@@ -118,24 +119,25 @@ class Engine:
     def free_pages(self) -> int:
         return self.scheduler.pool.free_pages()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream: bool = True) -> list[RequestOutput]:
         """Launch the next step on the device, then apply the one before it while this one runs: the host is one
         step behind. Prefill what the scheduler admits, step what runs, report every request that emitted tokens
-        or finished. Tokens a request produced after its end (found one step late) are discarded; its pages come
-        back once no step in flight can write them. A request with a grammar masks its next step by its tokens so far,
-        so while one is in flight the step before is applied first (that step pipelines nothing).
+        or finished (``stream``), or only those that finished (their text then made once, at the end). Tokens a
+        request produced after its end (found one step late) are discarded; its pages come back once no step in
+        flight can write them. A request with a grammar masks its next step by its tokens so far, so while one is in
+        flight the step before is applied first (that step pipelines nothing).
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
         try:
             touched = []
-            if any(s.grammar is not None for launch in self._inflight for s in launch.seqs):
+            if any(launch.grammar for launch in self._inflight):
                 # a grammar masks a sequence's next step by the tokens of its last one: apply that first
                 previous, self._inflight = self._inflight, []
-                touched = self._collect(previous, time.perf_counter())
+                touched = self._collect(previous, time.perf_counter(), stream)
             launched = self._launch()
             previous, self._inflight = self._inflight, launched
-            touched += self._collect(previous, time.perf_counter())
+            touched += self._collect(previous, time.perf_counter(), stream)
         except Exception as e:  # noqa: BLE001 - one step's failure must not end the engine
             failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
             self._inflight = []
@@ -147,7 +149,7 @@ class Engine:
                 raise type(e)(f"{e}\n-> request(s) {list(failed)} failed", failed) from None
             raise RunnerFailure(f"the step failed ({type(e).__name__}: {e})\n-> request(s) {list(failed)} failed",
                                 failed) from e
-        return [self._output(s) for s in touched]
+        return [self._output(s) for s in touched if stream or s.finished]
 
     def drain(self) -> list[RequestOutput]:
         """Apply the step still in flight without launching another (its pages come back)."""
@@ -180,22 +182,24 @@ class Engine:
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
             launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last,
-                                    starts=prefill.starts))
+                                    starts=prefill.starts, grammar=prefill.grammars is not None))
         if batch:
-            grown = {s.slot: list(s.pages) for s in batch if len(s.pages) != s.pages_sent}
+            grown = {}  # slot -> its pages, where they grew since last sent
             for seq in batch:
-                seq.pages_sent = len(seq.pages)
+                if len(seq.pages) != seq.pages_sent:
+                    grown[seq.slot], seq.pages_sent = list(seq.pages), len(seq.pages)
             step = StepBatch([s.slot for s in batch], nodes, grown, _grammars(batch))
-            launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter()))
+            launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter(),
+                                    grammar=step.grammars is not None))
         for launch in launches:
             for seq in launch.seqs:
                 seq.inflight += 1
         return launches
 
-    def _collect(self, launches: list[_Launch], now: float | None) -> list[Sequence]:
+    def _collect(self, launches: list[_Launch], now: float | None, stream: bool = True) -> list[Sequence]:
         """Apply launched work's results to its requests; give back the pages of those that ended (or were
         preempted) and have nothing in flight. ``now``: when the next step was launched (a step's wall time, for
-        the budget policy's cost table)."""
+        the budget policy's cost table); ``stream``: the requests' text kept current (see :meth:`_emit`)."""
         touched = []
         for launch in launches:
             result = launch.pending.result()
@@ -212,17 +216,19 @@ class Engine:
                 if seq.finished or seq.preempted:
                     pass
                 elif not launch.prefill:
-                    self._advance(seq, toks, share, launch.nodes, mass, lps)
+                    self._advance(seq, toks, share, launch.nodes, mass, lps, stream)
                     touched.append(seq)
                 else:
                     if scored:
                         self._score_prompt(seq, launch.starts[i], scored)
                     if launch.last[i]:
-                        self._prefilled(seq, toks, lps)
+                        self._prefilled(seq, toks, lps, stream)
                         touched.append(seq)
                 if (seq.finished or seq.preempted) and seq.inflight == 0:
                     self._retire(seq)
-        return list({id(s): s for s in touched}.values())  # a request prefilled and stepped: once
+        if len(launches) > 1:  # a request prefilled and stepped: once
+            touched = list({id(s): s for s in touched}.values())
+        return touched
 
     def _retire(self, seq: Sequence):
         """Pages and slot back to the scheduler: a finished request leaves, a preempted one waits again."""
@@ -237,16 +243,16 @@ class Engine:
         k, after = seq.params.prompt_logprobs, seq.prompt_ids[start + 1:]
         seq.prompt_logprobs[start + 1:] = [_logprobs(t, values, ids, k) for t, (values, ids) in zip(after, scored)]
 
-    def _prefilled(self, seq: Sequence, first: list[int], logprobs: list | None):
+    def _prefilled(self, seq: Sequence, first: list[int], logprobs: list | None, stream: bool):
         """A context's last chunk is in: its KV is cached; a new request emits its first token (a resumed one chose
         its next token before it was preempted)."""
         seq.cached_len = seq.prefill_len
         self.scheduler.register(seq)
         if not seq.output_ids:
-            self._emit(seq, first, logprobs)
+            self._emit(seq, first, logprobs, stream)
 
     def _advance(self, seq: Sequence, tokens: list[int], stage_seconds: dict[str, float], nodes: int,
-                 masses: list | None, logprobs: list | None):
+                 masses: list | None, logprobs: list | None, stream: bool):
         """Apply a step's tokens (from a tree of ``nodes`` draft nodes, whose ``masses`` the budget policy reads
         next; their log-probabilities where asked) to ``seq``: with :meth:`_prefilled`, the only place where request
         state changes after admission."""
@@ -254,10 +260,12 @@ class Engine:
         seq.steps += 1
         seq.accepted += len(tokens)
         seq.tree_sizes[nodes] = seq.tree_sizes.get(nodes, 0) + 1
-        seq.masses = masses if masses is not None else seq.masses
+        if masses is not None:
+            seq.masses = masses
+        spent = seq.stage_seconds
         for stage, s in stage_seconds.items():
-            seq.stage_seconds[stage] = seq.stage_seconds.get(stage, 0.0) + s
-        self._emit(seq, tokens, logprobs)
+            spent[stage] = spent.get(stage, 0.0) + s
+        self._emit(seq, tokens, logprobs, stream)
         self.scheduler.register(seq)
 
     def _ban(self, params: SamplingParams) -> list[int]:
@@ -268,35 +276,44 @@ class Engine:
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return list(dict.fromkeys(t for t in eos + params.stop_token_ids if t < self.vocab_size))
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None):
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None, stream: bool):
         """Append tokens one by one, stopping exactly where autoregressive decoding would (a stop needs
-        ``min_tokens`` tokens out). The text grows by incremental detokenization; a stop string is looked for only
-        where new text could complete it."""
+        ``min_tokens`` tokens out). The text grows by incremental detokenization: with stop strings token by token
+        (a stop string is looked for only where new text could complete it), else once per call (``stream``) or
+        once the request has finished."""
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         p, detok = seq.params, seq.detokenizer
+        by_token = detok is not None and bool(p.stop)
+        out, limit = seq.output_ids, min(p.max_tokens, self.max_model_len - len(seq.prompt_ids))
         for i, t in enumerate(tokens):
-            seq.output_ids.append(t)
+            out.append(t)
             if seq.grammar is not None:
                 seq.grammar.accept(t)
             if p.logprobs is not None:
                 seq.logprobs.append(_logprobs(t, *logprobs[i], p.logprobs))
                 seq.cumulative_logprob += seq.logprobs[-1][t].logprob
-            may_stop = len(seq.output_ids) >= p.min_tokens
-            if detok is not None:
+            may_stop = len(out) >= p.min_tokens
+            if by_token:
                 before = len(seq.text)
                 seq.text += detok.add([t])
-                if p.stop and may_stop and self._cut_at_stop(seq, before):
+                seq.detokenized += 1
+                if may_stop and self._cut_at_stop(seq, before):
                     seq.finish_reason = "stop"
                     return
             if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids
                              or (seq.grammar is not None and seq.grammar.ended)):
                 seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(out) >= limit:  # max_tokens, or the context limit
                 seq.finish_reason = "length"
-            if seq.finished:
+            if seq.finish_reason is not None:
                 break
-        if seq.finished and detok is not None:
+        if detok is None:
+            return
+        if not by_token and (stream or seq.finished):
+            seq.text += detok.add(seq.output_ids[seq.detokenized:])
+            seq.detokenized = len(seq.output_ids)
+        if seq.finished:
             seq.text += detok.flush()
 
     @staticmethod

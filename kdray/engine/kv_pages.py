@@ -7,6 +7,7 @@ Allocation takes free pages first, then evicts idle cached pages, least recently
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 def chain_key(previous: bytes, page_tokens: Sequence[int]) -> bytes:
     """A full page's key in the hash chain: its tokens and, through ``previous`` (the key of the page before it, or
     ``b""``), every token before them, so equal keys mean equal prefixes."""
-    data = previous + b"".join(t.to_bytes(4, "little") for t in page_tokens)
+    data = previous + struct.pack(f"<{len(page_tokens)}I", *page_tokens)  # 4 little-endian bytes a token
     return hashlib.blake2b(data, digest_size=16).digest()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from kdray.engine.cuda_graphs import GraphedFn
@@ -41,6 +42,11 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts a lone prompt chunk
 def bucket(n: int, limit: int) -> int:
     """The batch size a step of ``n`` sequences runs at under CUDA graphs (the smallest bucket that holds it)."""
     return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
+
+
+def host_ints(values: list[int], dtype: type = np.int64) -> torch.Tensor:
+    """A CPU tensor of ``values`` made through numpy (``torch.tensor`` parses a list of ints several times slower)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def root_only_tree(roots: torch.Tensor) -> DraftTree:
@@ -71,6 +77,7 @@ class SlotState:
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=device)  # cached length per slot
         self.greedy = [True] * n  # host copy: a batch of greedy slots skips the sampling path
         self.features: list[frozenset[str]] = [frozenset()] * n  # host copy: what a batch of these slots pays for
+        self.special = 0  # slots set for sampling or a costly feature (0: every batch is greedy and plain)
         self.prompt_lens = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
         self.min_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
@@ -99,9 +106,12 @@ class SlotState:
                               (self.top_p, [p.top_p for p in ps]), (self.seeds, batch.seeds)):
             put(state, values)
         # the costly fields' settings: written when these requests, or the slots' last ones, use any of them
-        plain = not any(p.features for p in ps) and not any(self.features[s] for s in batch.slots)
-        for slot, p in zip(batch.slots, ps):
-            self.greedy[slot], self.features[slot] = p.greedy, p.features
+        features = [p.features for p in ps]
+        plain = not any(features) and not any(self.features[s] for s in batch.slots)
+        for slot, p, f in zip(batch.slots, ps, features):
+            self.special -= not self.greedy[slot] or bool(self.features[slot])
+            self.greedy[slot], self.features[slot] = p.greedy, f
+            self.special += not p.greedy or bool(f)
         if plain:
             return
         for state, values in ((self.prompt_lens, batch.prompt_lens), (self.min_tokens, [p.min_tokens for p in ps]),
@@ -113,7 +123,7 @@ class SlotState:
                                                   for p in ps]),
                               (self.ban_ids, [_padded(b, MAX_BAN, -1) for b in batch.bans])):
             put(state, values)
-        if self.vocab is None or not any("penalties" in p.features for p in ps):
+        if self.vocab is None or not any("penalties" in f for f in features):
             return
         if self.counts is None:  # the first penalised request
             n = self.block_table.shape[0]
@@ -133,12 +143,12 @@ class SlotState:
         if not pages:
             return
         width, dev = self.block_table.shape[1], self.block_table.device
-        rows = torch.full((len(pages), width), self.scratch_page, dtype=torch.int32)  # [n, pages]
+        rows = np.full((len(pages), width), self.scratch_page, dtype=np.int32)  # [n, pages]
         for i, row in enumerate(pages.values()):
             if len(row) > width:
                 raise ValueError(f"{len(row)} KV pages for one sequence exceed the block-table width {width}")
-            rows[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.block_table[torch.tensor(list(pages), device=dev)] = rows.to(dev)
+            rows[i, :len(row)] = row
+        self.block_table[host_ints(list(pages)).to(dev)] = torch.from_numpy(rows).to(dev)
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
         """After a prefill: each slot's bonus token is its first generated one (counted), its cached length the
@@ -193,10 +203,12 @@ class SlotState:
         self.counts.view(-1).scatter_add_(0, flat.flatten(), kept.float().flatten())
 
     def all_greedy(self, slots: list[int]) -> bool:
-        return all(self.greedy[s] for s in slots)
+        return not self.special or all(self.greedy[s] for s in slots)
 
     def extras(self, slots: list[int]) -> tuple[str, ...]:
         """The features a batch of ``slots`` pays for: those any of its requests uses."""
+        if not self.special:
+            return ()
         return tuple(sorted(frozenset().union(*(self.features[s] for s in slots))))
 
     def snapshot(self):
@@ -290,7 +302,7 @@ class ModelRunner:
         prompt tokens (``prompt_logprobs``: those run eagerly)."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
-        ids = torch.tensor([t for p in batch.prompts for t in p], dtype=torch.int64, device=self.device)
+        ids = host_ints([t for p in batch.prompts for t in p]).to(self.device)  # [T]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, lens)]).to(self.device)
         idx = torch.tensor(batch.slots, device=self.device)
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
@@ -449,7 +461,7 @@ class ModelRunner:
     def slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slots as a device index ``[Bp]``, padded with the scratch slot to a bucket's size under graphs."""
         padded = slots + [self.slots.scratch] * (self.padded(len(slots)) - len(slots))
-        return torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
+        return host_ints(padded).to(self.device, non_blocking=True)
 
     def _run(self, fn, graphs: GraphedFn | None, *inputs, **options) -> tuple[tuple, StageTimer]:
         """``fn(timer, *inputs, **options)``: replayed from ``graphs`` when there are graphs, else eagerly."""

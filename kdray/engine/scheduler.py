@@ -97,7 +97,7 @@ class Scheduler:
     def reserve(self, batch: list[Sequence]) -> list[Sequence]:
         """Give each sequence of ``batch`` the pages its next step can write; when the pool runs dry, preempt the
         most recently admitted running sequences. Returns the sequences that can step now."""
-        ready = []
+        ready, preemptions = [], self.preemptions
         for seq in batch:
             need = min(self.pool.pages_for(seq.cached_len + self.lookahead), self.max_pages) - len(seq.pages)
             while need > self.pool.free_pages():
@@ -114,6 +114,8 @@ class Scheduler:
             if need > 0:
                 seq.pages += self.pool.allocate(need)
             ready.append(seq)
+        if self.preemptions == preemptions:
+            return ready
         return [s for s in ready if not s.preempted]  # a victim may have been ready before a later one's need
 
     def preempt(self, seq: Sequence):

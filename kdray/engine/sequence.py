@@ -39,6 +39,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     grammar: GrammarState | None = None  # structured_outputs: its matcher, at the committed output's end
     text: str = ""
+    detokenized: int = 0  # output ids whose text is in ``text`` (but a held unfinished character)
     logprobs: list = field(default_factory=list)  # per output token {token id: Logprob}, when the request asks
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=lambda: [None])  # per prompt token scored so far (prompt_logprobs)

@@ -18,16 +18,17 @@ GQA form (Llama family): ``q [T, Hq, D]``, ``kv_cache [P, S, 2, Hkv, D]`` (keys 
 output ``[T, Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
 
 CUDA tensors run the kernels in ``cuda/tree_verify_attention.cu`` (tensor cores for bf16 with the head dims
-in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two for trees with key splits), no host sync, one
-allocation (the output), so a verify step can be captured in a CUDA graph. CPU tensors run the torch reference below.
+in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two for trees with key splits), no host
+sync, one allocation (the output), so a verify step can be captured in a CUDA graph. CPU tensors run the torch
+reference below.
 
 Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the
 grid gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once (``_num_splits``). The kernel then
 cuts a sequence of ``nb`` key tiles into runs of ``per`` tiles, and every run writes a partial.
 
 With one query per sequence (decode: a tile holds one query's heads) the tile's last CTA merges them (a ticket
-per tile), one launch in all. Cost model, both terms bytes through one SM: the slowest run streams ``per`` key tiles
-(64 cache rows each: 72 KiB for K2) and the merging CTA reads ``nb / per`` partials of ``rows * Dv * 2`` bytes
+per tile), one launch in all. Cost model, both terms bytes through one SM: the slowest run streams ``per`` key
+tiles (64 cache rows each: 72 KiB for K2) and the merging CTA reads ``nb / per`` partials of ``rows * Dv * 2`` bytes
 (``rows``: the tile's real rows). Their sum is least at ``per = sqrt(nb * rows * Dv * 2 / key-tile bytes)``,
 which the kernel takes (rounded, and at least ``nb / n_splits``). At one K2 query with a 4096 prefix (``nb`` =
 65, 8 rows) that is 22 runs of 3 tiles, merging 176 KiB, where filling the GPU took 65 runs of one tile and
@@ -141,8 +142,8 @@ def gqa_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 # always suffice and the surplus CTAs return at once. With n_splits > 1 the partials (bf16 [n_splits, T*Hq, Dv]
 # normalised by their own row sums, plus fp32 [n_splits, T*Hq] (max, sum) pairs) share the output's single
 # allocation; at one query per sequence each (tile, KV head) counts its arrived CTAs in the device's tickets,
-# otherwise tva_combine merges the partials. Everything else (fp32;
-# other head dims) runs the CUDA-core kernel tva_simt_*, one CTA per output row.
+# otherwise tva_combine merges the partials. Everything else (fp32; other head dims) runs the CUDA-core kernel
+# tva_simt_*, one CTA per output row.
 
 _MODULE = "tree_verify_attention"
 _TILE = 64  # rows per CTA and keys per tile (BM, BN in the .cu)
