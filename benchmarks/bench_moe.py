@@ -5,6 +5,8 @@ Floor: the packed weights and scales of the distinct experts the batch touches, 
 copy bandwidth. Baseline: ``torch._grouped_mm`` over bf16 experts (a per-expert loop of matmuls where
 grouped_mm is unavailable), graph-captured when it can be; the INT4 op is timed as a graph replay (as a
 verify step runs it); the per-kernel device times and each GEMM variant's time are printed above the table.
+The experts are in the tiled layout (``repack_int4_experts``, as ``MoE.load`` leaves them on a GPU), which every
+family reads; the wgmma family (``WGMMA_VARIANTS``) joins the sweeps on sm_90.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Ceilings, Row, print_table, time_us  # noqa: E402
-from kdray.kernels.w4a16_moe import (SKINNY, VARIANTS, _choose_variant, _w4a16_moe_cuda,  # noqa: E402
-                                     random_int4_experts, w4a16_moe)
+from kdray.kernels.w4a16_moe import (SKINNY, VARIANTS, WGMMA_VARIANTS, _capability, _choose_variant,  # noqa: E402
+                                     _w4a16_moe_cuda, _wgmma_ok, random_int4_experts, repack_int4_experts, w4a16_moe)
 
 H, E, K = 7168, 384, 8
 WIDTHS = (256, 2048)  # expert width per shard: TP8, TP1
@@ -90,7 +92,7 @@ def _kernel_breakdown(fn) -> str:
 def bench(ceil: Ceilings) -> list[Row]:
     rows = []
     for I in WIDTHS:
-        int4 = random_int4_experts(E, H, I)
+        int4 = repack_int4_experts(*random_int4_experts(E, H, I))
         expert_bytes = sum(t[0].numel() * t.element_size() for t in int4)  # one expert: packed + scales
         # bf16 experts for the baseline: the same shapes (values need not match the INT4 ones).
         w13 = torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).normal_(0, H ** -0.5)
@@ -103,7 +105,7 @@ def bench(ceil: Ceilings) -> list[Row]:
             run = lambda: w4a16_moe(x, *int4, ids, weights)  # noqa: E731
             t = time_us(run, graph=True)
             sweep = {v: time_us(lambda v=v: _w4a16_moe_cuda(x, *int4, ids, weights, variant=v), graph=True)
-                     for v in (SKINNY, *VARIANTS)}
+                     for v in _families(I)}
             print(f"# I={I} T={T}: {touched} experts, graph {t:.1f} us, eager {time_us(run):.1f} us; "
                   f"kernels (us): {_kernel_breakdown(run)}; variants (us): "
                   + ", ".join(f"{v} {tv:.1f}" for v, tv in sweep.items()))
@@ -117,26 +119,35 @@ def bench(ceil: Ceilings) -> list[Row]:
     return rows
 
 
-def sweep_families(tokens=(1, 17, 65, 257, 2080, 4096, 16384), I: int = 256):
-    """Every GEMM family at K2 TP8 shapes over the token counts of decode, verify and prefill: graph-replayed time and
-    touched-expert bytes per second (the floor's rate), and the family ``w4a16_moe`` picks."""
+def _families(I: int) -> tuple[str, ...]:
+    """The GEMM families this GPU runs at H, I (the wgmma ones on sm_90 only)."""
+    wgmma = _wgmma_ok(_capability(torch.device("cuda", torch.cuda.current_device())), H, I, True) is None
+    return (SKINNY, *VARIANTS, *(WGMMA_VARIANTS if wgmma else ()))
+
+
+def sweep_families(tokens=(1, 17, 65, 257, 1024, 2080, 4096, 16384), I: int = 256):
+    """Every GEMM family at K2 TP8 shapes over the token counts of decode, verify and prefill: graph-replayed time,
+    touched-expert bytes per second (the floor's rate) and the experts' TFLOP/s (2 x 3 x H x I per routed slot), and
+    the family ``w4a16_moe`` picks."""
     ceil = Ceilings.measure()
-    int4 = random_int4_experts(E, H, I)
+    int4 = repack_int4_experts(*random_int4_experts(E, H, I))
     expert_bytes = sum(t[0].numel() * t.element_size() for t in int4)
-    families = (SKINNY, *VARIANTS)
+    families = _families(I)
     rows = []
     for T in tokens:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         ids = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
         weights = torch.rand(T, K, device="cuda")
         moved = ids.unique().numel() * expert_bytes
+        flops = 2 * 3 * H * I * T * K
         cells = [f"T={T} ({ids.unique().numel()} experts)", f"{ceil.floor_us(moved):.1f}"]
         for v in families:
             t = time_us(lambda v=v: _w4a16_moe_cuda(x, *int4, ids, weights, variant=v), graph=True)
-            cells.append(f"{t:.1f} ({moved / (t * 1e-6) / 1e9:.0f} GB/s)")
-        cells.append(_choose_variant(E, H, I, T * K))
-        print(f"# T={T} skinny kernels (us): "
-              f"{_kernel_breakdown(lambda: _w4a16_moe_cuda(x, *int4, ids, weights, variant=SKINNY))}", flush=True)
+            cells.append(f"{t:.1f} ({moved / (t * 1e-6) / 1e9:.0f} GB/s, {flops / (t * 1e-6) / 1e12:.0f} TFLOP/s)")
+        cells.append(_choose_variant(E, H, I, T * K, wgmma=len(families) > 1 + len(VARIANTS)))
+        for v in (SKINNY, *(f for f in families if f in WGMMA_VARIANTS)):
+            print(f"# T={T} {v} kernels (us): "
+                  f"{_kernel_breakdown(lambda v=v: _w4a16_moe_cuda(x, *int4, ids, weights, variant=v))}", flush=True)
         rows.append(cells)
     print_table(rows, ["tokens", "floor us", *(f"{v} us" for v in families), "chosen"])
 

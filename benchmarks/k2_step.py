@@ -63,7 +63,11 @@ def shard_config(layers: int) -> K2Config:
 def random_shard(cfg: K2Config) -> K2Model:
     """The shard with every parameter filled in place on the GPU (no host copy of the ~65 GB)."""
     with torch.device("cuda"):
-        return fill_random(K2Model(cfg, torch.bfloat16))
+        model = fill_random(K2Model(cfg, torch.bfloat16))
+    for m in model.modules():  # as MoE.load leaves them on a GPU: the tiled INT4 layout
+        if isinstance(m, MoE):
+            m.tile_experts()
+    return model
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from kdray import LLM, SamplingParams
 from kdray.model.batch import ForwardBatch, causal_tree_mask
 from kdray.model.checkpoint import CheckpointError
 from kdray.model.loader import load_target
+from kdray.model.k2 import MoE
 
 PAGE = 16
 
@@ -109,6 +110,20 @@ def test_int4_experts_load_packed_and_match_dequantized(int4_pair):
         assert torch.equal(moe.w13_packed[e, inner:], written[f"{base}.up_proj"]["weight_packed"])
         assert torch.equal(moe.w2_packed[e], written[f"{base}.down_proj"]["weight_packed"])
         assert torch.equal(moe.w2_scale[e], written[f"{base}.down_proj"]["weight_scale"])
+    assert not moe.tile_experts()  # width 32: not a multiple of 64, stays as loaded
+
+
+def test_tiled_int4_experts_compute_the_same(tmp_path):
+    """The tiled layout MoE.load gives the experts on a GPU (tile_experts) computes the same logits."""
+    make_hf_k2(tmp_path / "bf", "grouped", seed=3, moe_inner=64)
+    quantize_experts_int4(tmp_path / "bf", tmp_path / "q")
+    q = load_target(str(tmp_path / "q"))
+    prompts = [list(range(3, 20))]
+    a, _ = forward_logits(q, prompts)
+    moes = [m for m in q.model.modules() if isinstance(m, MoE)]
+    assert all(m.tile_experts() for m in moes) and moes[0].w13_packed.dim() == 4
+    assert not moes[0].tile_experts()  # once
+    assert torch.equal(forward_logits(q, prompts)[0], a)
 
 
 def _copy(src, dst):

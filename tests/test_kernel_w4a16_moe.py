@@ -6,8 +6,9 @@ from gpu_checks import poison_allocator, rel_err
 
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
 from kdray.kernels.moe_route import moe_route, moe_route_reference
-from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, VARIANTS, _choose_variant,
-                                     _w4a16_moe_cuda, random_int4_experts, routed_w4a16_moe, w4a16_moe,
+from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, VARIANTS, WGMMA_VARIANTS,
+                                     _choose_variant, _w4a16_moe_cuda, _wgmma_ok, random_int4_experts,
+                                     repack_int4_experts, routed_w4a16_moe, unpack_int4_experts, w4a16_moe,
                                      w4a16_moe_reference)
 
 
@@ -327,3 +328,221 @@ def test_cuda_routed_moe_graph_replay_equals_route_then_moe(T, n_group):
             t.fill_(float("nan") if t.is_floating_point() else -7)
         graph.replay()
         _assert_same(static, _route_then_moe(x, int4, logits, bias, routing, None))
+
+
+# ---------------------------------------------------------------- the tiled expert layout and the wgmma family
+
+
+@pytest.mark.parametrize("E,H,I", [(3, 128, 64), (2, 7168 // 8, 256), (5, 192, 320)])
+def test_repack_round_trip_and_layout(E, H, I):
+    gen = torch.Generator().manual_seed(E * H + I)
+    ct = random_int4_experts(E, H, I, "cpu", gen)
+    tiled = repack_int4_experts(*ct)
+    assert [tuple(t.shape) for t in tiled] == [(E, H // 64, 2 * I, 8), (E, H // 64, 2 * I, 2), (E, I // 64, H, 8),
+                                               (E, I // 64, H, 2)]
+    assert [t.dtype for t in tiled] == [t.dtype for t in ct]
+    assert all(torch.equal(a, b) for a, b in zip(unpack_int4_experts(*tiled), ct))
+    # K tile kb of row n: words 8 kb .. 8 kb + 7 and scale groups 2 kb, 2 kb + 1, unchanged
+    w13p, w13s = ct[0], ct[1]
+    assert torch.equal(tiled[0][1, 0, 5], w13p[1, 5, :8]) and torch.equal(tiled[0][0, -1, 3], w13p[0, 3, -8:])
+    assert torch.equal(tiled[1][1, 1, 7], w13s[1, 7, 2:4])
+    assert torch.equal(tiled[2][0, -1, H - 1], ct[2][0, H - 1, -8:])
+
+
+def test_tiled_experts_give_the_same_reference():
+    torch.manual_seed(7)
+    T, H, I, E, k = 9, 128, 64, 6, 3
+    ct = _quantized_experts(E, H, I)
+    x = torch.randn(T, H).bfloat16()
+    ids, weights = _routing(T, E, k, skip=0.2)
+    add = torch.randn(T, H).bfloat16()
+    assert torch.equal(w4a16_moe(x, *repack_int4_experts(*ct), ids, weights, add), w4a16_moe(x, *ct, ids, weights, add))
+
+
+def test_repack_rejects_unsupported_layouts():
+    ct = _quantized_experts(2, 64, 32)  # I = 32: w2's K is not a multiple of 64
+    with pytest.raises(ValueError, match="multiple of 64"):
+        repack_int4_experts(*ct)
+    ct16 = _quantized_experts(2, 128, 64, group=16)
+    with pytest.raises(ValueError, match="group size 32"):
+        repack_int4_experts(*ct16)
+    ok = _quantized_experts(2, 128, 64)
+    with pytest.raises(ValueError, match="tiled experts"):
+        unpack_int4_experts(*ok)
+    with pytest.raises(ValueError, match="compressed-tensors experts"):
+        repack_int4_experts(*repack_int4_experts(*ok))
+    tiled = repack_int4_experts(*ok)
+    ids, weights = _routing(3, 2, 1)
+    with pytest.raises(ValueError, match="expected tiled experts"):  # x of another H
+        w4a16_moe(torch.randn(3, 192), *tiled, ids, weights)
+
+
+def test_wgmma_family_support_and_choice():
+    assert _wgmma_ok((9, 0), 7168, 256, True) is None
+    assert "tiled layout" in _wgmma_ok((9, 0), 7168, 256, False)
+    assert "sm_90" in _wgmma_ok((8, 0), 7168, 256, True) and "sm_90" in _wgmma_ok((10, 0), 7168, 256, True)
+    assert "H % 256 == 0 and I % 128 == 0" in _wgmma_ok((9, 0), 7168 + 64, 256, True)
+    assert "got H=7168, I=192" in _wgmma_ok((9, 0), 7168, 192, True)
+    E, H, I = 384, 7168, 256
+    assert _choose_variant(E, H, I, 8 * 64, wgmma=True) == SKINNY
+    assert _choose_variant(E, H, I, 8 * 1024, wgmma=True) == "m32n2"
+    assert _choose_variant(E, H, I, 8 * 2080, wgmma=True) == "wg64"
+    assert _choose_variant(E, H, I, 8 * 4096, wgmma=True) == "wg128"
+    assert _choose_variant(E, H, I, 8 * 4096, wgmma=False) == "m64n2"
+
+
+def _ragged_routing(T, E, k, gen, skip=0.05):
+    """Distinct ids per token with ragged expert loads: experts 0 and 1 hot (every token that can: > 1 tile of rows
+    from T = 257), expert 2 on token 0 only (1 row), the last quarter unused (0 rows), a ``skip`` share of -1."""
+    dev = gen.device
+    pool = E - E // 4  # experts [pool, E) get no rows
+    scores = torch.rand(T, pool, device=dev, generator=gen)
+    scores[:, :2] += 10.0  # hot
+    scores[:, 2] = -1.0  # never by score
+    ids = scores.topk(k, dim=1).indices
+    ids[0, -1] = 2
+    ids = torch.where(torch.rand(T, k, device=dev, generator=gen) < skip, -1, ids)
+    ids[0, -1] = 2
+    return ids, torch.rand(T, k, device=dev, generator=gen)
+
+
+WGMMA_SHAPES = [(T, 1024, 256, E) for T in (64, 257, 1024, 2080, 4096) for E in (8, 384)] + [
+    (2080, 7168, 256, 384),  # K2 TP8 shard: a 32 x 65-node verify
+    (4096, 7168, 256, 384),  # a K2 TP8 prefill chunk
+    (300, 768, 384, 16),  # 3 up tiles, 3 down tiles, K = I = 6 stages: h streamed (I > WG_RES_K)
+    (200, 512, 128, 8),  # one up tile, h resident with K = I = 2 stages
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(WGMMA_VARIANTS))
+@pytest.mark.parametrize("T,H,I,E", WGMMA_SHAPES)
+def test_cuda_wgmma_matches_reference(T, H, I, E, variant):
+    """The wgmma family over tiled experts: ragged loads, poisoned outputs, the shared-expert add, and the same bits on
+    a repeated call (per-slot rows summed in order: no atomics)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    gen = torch.Generator("cuda").manual_seed(T * 13 + E + H + len(variant))
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    k = min(8, E // 2)
+    for _ in range(2):
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.05
+        ids, weights = _ragged_routing(T, E, k, gen)
+        counts = torch.bincount(ids[ids >= 0], minlength=E)
+        assert counts[2] == 1 and counts[-1] == 0 and (T < 257 or counts[0] > 128)
+        poison_allocator()
+        out = _w4a16_moe_cuda(x, *tiled, ids, weights, add, variant=variant)
+        ref = w4a16_moe_reference(x.float(), *tiled, ids, weights) + add.float()
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-2
+        skipped = (ids < 0).all(1)
+        assert torch.equal(out[skipped], add[skipped])
+        poison_allocator()
+        assert torch.equal(_w4a16_moe_cuda(x, *tiled, ids, weights, add, variant=variant), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [SKINNY, *VARIANTS])
+@pytest.mark.parametrize("T,H,I,E,k", [(17, 7168, 256, 384, 8), (257, 320, 64, 32, 8), (1024, 512, 128, 64, 8)])
+def test_cuda_other_families_read_the_tiled_layout(T, H, I, E, k, variant):
+    """One copy of the experts serves every family: the mma.sync and skinny kernels read the tiled layout too."""
+    if variant == SKINNY and (H % 128 or I % 128):
+        pytest.skip("the skinny path needs H and I multiples of 128")
+    if VARIANTS.get(variant, (0, 1))[1] == 2 and I % 128:
+        pytest.skip("n2 tiles need I % 128 == 0")
+    gen = torch.Generator("cuda").manual_seed(T + H + len(variant))
+    ct = random_int4_experts(E, H, I, "cuda", gen)
+    tiled = repack_int4_experts(*ct)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _routing(T, E, k, "cuda", skip=0.1, gen=gen)
+    poison_allocator()
+    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=variant)
+    poison_allocator()
+    out_ct = _w4a16_moe_cuda(x, *ct, ids, weights, variant=variant)
+    torch.testing.assert_close(out, out_ct, rtol=2 ** -7, atol=2 ** -8 * out_ct.abs().max().item())
+    assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_wgmma_graph_replay_equals_eager():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    gen = torch.Generator("cuda").manual_seed(11)
+    T, H, I, E, k = 1024, 1024, 256, 64, 8  # 128 slots per expert: wg128
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    assert _choose_variant(E, H, I, T * k, wgmma=True) in WGMMA_VARIANTS
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _ragged_routing(T, E, k, gen)
+    w4a16_moe(x, *tiled, ids, weights)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        static_out = w4a16_moe(x, *tiled, ids, weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    for skip in (0.0, 0.3):  # new routing and activations in the captured buffers
+        x.copy_(torch.randn(T, H, device="cuda", generator=gen))
+        new_ids, new_weights = _ragged_routing(T, E, k, gen, skip)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static_out, w4a16_moe(x, *tiled, ids, weights))  # deterministic: bit-equal
+        assert rel_err(static_out, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_wgmma_rejects_unsupported_operands():
+    gen = torch.Generator("cuda").manual_seed(12)
+    ct = random_int4_experts(8, 320, 128, "cuda", gen)  # H % 256 != 0
+    x = torch.randn(64, 320, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _routing(64, 8, 2, "cuda", gen=gen)
+    with pytest.raises(ValueError, match="tiled layout"):
+        _w4a16_moe_cuda(x, *ct, ids, weights, variant="wg64")
+    with pytest.raises(ValueError, match="H % 256 == 0" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"):
+        _w4a16_moe_cuda(x, *repack_int4_experts(*ct), ids, weights, variant="wg128")
+    with pytest.raises(ValueError, match="unknown variant"):
+        _w4a16_moe_cuda(x, *ct, ids, weights, variant="m128n4")
+    # the automatic choice falls back to the other families there: still correct
+    out = w4a16_moe(x, *repack_int4_experts(*ct), ids, weights)
+    assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_wgmma_token_chunks_give_the_same_bits(monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    import kdray.kernels.w4a16_moe as moe
+
+    gen = torch.Generator("cuda").manual_seed(13)
+    T, H, I, E, k = 1000, 1024, 256, 32, 8
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _ragged_routing(T, E, k, gen)
+    whole = _w4a16_moe_cuda(x, *tiled, ids, weights, add, variant="wg64")
+    monkeypatch.setattr(moe, "WG_CHUNK_TOKENS", 300)  # 4 chunks, the last one short
+    poison_allocator()
+    assert torch.equal(_w4a16_moe_cuda(x, *tiled, ids, weights, add, variant="wg64"), whole)
+
+
+@pytest.mark.gpu
+def test_cuda_wgmma_routed_in_prep_equals_route_then_moe():
+    """routed_w4a16_moe routing inside the prep launch ahead of the wgmma GEMMs (8 experts, top-8: 32 rows each)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    gen = torch.Generator("cuda").manual_seed(14)
+    T, H, I, E, k = ROUTE_PREP_MAX_T, 1024, 256, 8, 8
+    assert _choose_variant(E, H, I, T * k, wgmma=True) in WGMMA_VARIANTS
+    int4 = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    routing = (k, 1, 1, True, 2.827, None)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    add = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.05
+    logits, bias = _router(T, E, "cuda", gen)
+    poison_allocator()
+    out, ids, weights = routed_w4a16_moe(x, *int4, logits, bias, *routing, add=add)
+    unfused = _route_then_moe(x, int4, logits, bias, routing, add)
+    assert torch.equal(ids, unfused[1]) and torch.equal(weights, unfused[2])
+    assert torch.equal(out, unfused[0])  # the wgmma family's sums are ordered: the same bits
+    assert rel_err(out, w4a16_moe_reference(x.float(), *int4, ids, weights) + add.float()) < 1e-2

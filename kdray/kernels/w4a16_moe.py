@@ -23,10 +23,21 @@ verify step's MoE can be captured in a CUDA graph:
    (fp32 reductions) into ``acc [T, H]``.
 4. ``moe_finalize``: ``acc`` (+ ``add``) -> ``out`` in bf16.
 
-Two families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
+Three families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
 (passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
 rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
-staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass).
+staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
+``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``: 64- or 128-row passes, N tiles
+of 256 weight rows, 64 k per stage; the INT4 tile is dequantized once per pass into bf16 shared memory and both
+wgmma operands come from shared memory). The wgmma family reads x and h in natural k order (no permuted x; the
+prep only sorts), writes each (token, slot)'s weighted output row in bf16 and sums a token's rows in slot order
+(``moe_finalize_slots``): its results are the same bits on every call. It runs batches of more than
+``WG_CHUNK_TOKENS`` tokens in chunks.
+
+Expert layouts: compressed-tensors (``[E, N, K/8]`` int32 and ``[E, N, K/32]`` scales, as loaded) or the tiled
+layout of :func:`repack_int4_experts` (``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]``: one K tile of an N tile's rows is
+one contiguous run; the same bytes, so it replaces the loaded copy). Every family reads either; the wgmma family
+needs the tiled one. ``MoE.load`` (``model/k2.py``) repacks the experts when they live on a GPU.
 """
 from __future__ import annotations
 
@@ -50,6 +61,21 @@ SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
+# Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> warpgroups along M (rows per
+# pass = 64 * that); N tiles of WG_BN weight rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg).
+WGMMA_VARIANTS = {"wg64": 1, "wg128": 2}
+WG_BN, WG_THREADS = 256, 256
+WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 171008, 194560 bytes
+# The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
+WG_RES_K = 256
+WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
+# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen: first guesses, not yet
+# measured (the wgmma family replaces m64n2 where that won; 128-row passes once a 64-row pass would run twice per
+# expert); tune with `python benchmarks/bench_moe.py`, whose sweep prints every family.
+WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 32, 64
+# The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
+# launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
+WG_CHUNK_TOKENS = 16384
 ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
 ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
@@ -62,21 +88,34 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
         raise ValueError(f"add must be {x.dtype} {tuple(x.shape)} like x, got {add.dtype} {tuple(add.shape)}")
     T, H = x.shape
-    if w13_packed.dim() != 3 or w2_packed.dim() != 3:
-        raise ValueError(f"w13_packed / w2_packed must be [E, out, in/8], got {tuple(w13_packed.shape)} / "
-                         f"{tuple(w2_packed.shape)}")
-    E, two_i, h8 = w13_packed.shape
-    I = two_i // 2
-    if two_i % 2 or h8 * 8 != H or w2_packed.shape != (E, H, I // 8) or I % 8:
-        raise ValueError(f"expected w13_packed [E, 2I, H/8] and w2_packed [E, H, I/8] for H={H}, got "
-                         f"{tuple(w13_packed.shape)} and {tuple(w2_packed.shape)}")
-    if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
-        raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
-    if w13_scale.dim() != 3 or w13_scale.shape[:2] != (E, two_i) or H % w13_scale.shape[2]:
-        raise ValueError(f"w13_scale must be [E, 2I, H/g] = [{E}, {two_i}, H/g], got {tuple(w13_scale.shape)}")
-    group = H // w13_scale.shape[2]
-    if I % group or w2_scale.shape != (E, H, I // group):
-        raise ValueError(f"w2_scale must be [E, H, I/g] = [{E}, {H}, {I}/{group}], got {tuple(w2_scale.shape)}")
+    if is_tiled(w13_packed):  # repack_int4_experts' layout: group 32
+        E, HB, two_i = w13_packed.shape[:3]
+        I = two_i // 2
+        if (HB * 64 != H or two_i % 2 or I % 64 or w13_packed.shape[3] != 8 or w13_scale.shape != (E, HB, two_i, 2)
+                or w2_packed.shape != (E, I // 64, H, 8) or w2_scale.shape != (E, I // 64, H, 2)):
+            raise ValueError(f"expected tiled experts w13_packed [E, H/64, 2I, 8], w13_scale [E, H/64, 2I, 2], "
+                             f"w2_packed [E, I/64, H, 8], w2_scale [E, I/64, H, 2] for H={H}; got "
+                             f"{tuple(w13_packed.shape)}, {tuple(w13_scale.shape)}, {tuple(w2_packed.shape)}, "
+                             f"{tuple(w2_scale.shape)}")
+        if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+            raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
+        group = 32
+    else:
+        if w13_packed.dim() != 3 or w2_packed.dim() != 3:
+            raise ValueError(f"w13_packed / w2_packed must be [E, out, in/8], got {tuple(w13_packed.shape)} / "
+                             f"{tuple(w2_packed.shape)}")
+        E, two_i, h8 = w13_packed.shape
+        I = two_i // 2
+        if two_i % 2 or h8 * 8 != H or w2_packed.shape != (E, H, I // 8) or I % 8:
+            raise ValueError(f"expected w13_packed [E, 2I, H/8] and w2_packed [E, H, I/8] for H={H}, got "
+                             f"{tuple(w13_packed.shape)} and {tuple(w2_packed.shape)}")
+        if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+            raise TypeError(f"packed weights must be int32, got {w13_packed.dtype} / {w2_packed.dtype}")
+        if w13_scale.dim() != 3 or w13_scale.shape[:2] != (E, two_i) or H % w13_scale.shape[2]:
+            raise ValueError(f"w13_scale must be [E, 2I, H/g] = [{E}, {two_i}, H/g], got {tuple(w13_scale.shape)}")
+        group = H // w13_scale.shape[2]
+        if I % group or w2_scale.shape != (E, H, I // group):
+            raise ValueError(f"w2_scale must be [E, H, I/g] = [{E}, {H}, {I}/{group}], got {tuple(w2_scale.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids / topk_weights must both be [T={T}, k], got {tuple(topk_ids.shape)} / "
                          f"{tuple(topk_weights.shape)}")
@@ -86,10 +125,56 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
     return E, H, I, group
 
 
+def repack_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                        w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors experts -> the tile-contiguous layout every CUDA kernel reads (a pure function).
+
+    ``packed [E, N, K/8]`` int32 -> ``[E, K/64, N, 8]``: the 64 k (8 words) of a K tile of every weight row of an
+    expert lie together, so one K tile of any run of rows (an N tile) is one contiguous stream; words and nibbles
+    are unchanged. ``scale [E, N, K/32]`` bf16 -> ``[E, K/64, N, 2]`` the same way. Same bytes, no padding: the
+    repacked experts replace the loaded ones (one copy in memory). Needs group 32 and K (H for w13, I for w2) a
+    multiple of 64. :func:`unpack_int4_experts` inverts it.
+    """
+    out = []
+    for packed, scale in ((w13_packed, w13_scale), (w2_packed, w2_scale)):
+        if packed.dim() != 3 or scale.dim() != 3 or packed.dtype != torch.int32:
+            raise ValueError(f"repack_int4_experts takes compressed-tensors experts (packed [E, N, K/8] int32, scale "
+                             f"[E, N, K/32]); got {packed.dtype} {tuple(packed.shape)} and {tuple(scale.shape)}")
+        E, N, K8 = packed.shape
+        if K8 % 8 or scale.shape != (E, N, K8 // 4):
+            raise ValueError(f"the tiled INT4 layout needs group size 32 and in_features a multiple of 64; got packed "
+                             f"{tuple(packed.shape)} (in_features {8 * K8}) with scale {tuple(scale.shape)}")
+        out.append(packed.reshape(E, N, K8 // 8, 8).transpose(1, 2).contiguous())
+        out.append(scale.reshape(E, N, K8 // 8, 2).transpose(1, 2).contiguous())
+    return out[0], out[1], out[2], out[3]
+
+
+def unpack_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                        w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_int4_experts`: ``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]`` -> compressed-tensors."""
+    out = []
+    for packed, scale in ((w13_packed, w13_scale), (w2_packed, w2_scale)):
+        if packed.dim() != 4 or packed.shape[3] != 8 or scale.dim() != 4 or scale.shape != (*packed.shape[:3], 2):
+            raise ValueError(f"expected tiled experts packed [E, K/64, N, 8] and scale [E, K/64, N, 2], got "
+                             f"{tuple(packed.shape)} and {tuple(scale.shape)}")
+        E, KB, N, _ = packed.shape
+        out.append(packed.transpose(1, 2).reshape(E, N, 8 * KB).contiguous())
+        out.append(scale.transpose(1, 2).reshape(E, N, 2 * KB).contiguous())
+    return out[0], out[1], out[2], out[3]
+
+
+def is_tiled(w13_packed: torch.Tensor) -> bool:
+    """Whether the experts are in :func:`repack_int4_experts`' layout (4-D) rather than compressed-tensors' (3-D)."""
+    return w13_packed.dim() == 4
+
+
 def w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights,
                         add: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add)."""
+    """Torch reference: dequantize each used expert, compute in fp32, cast the sum to ``x.dtype`` (then + add).
+    Takes either layout (tiled experts are unpacked first)."""
     E, H, I, _ = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
+    if is_tiled(w13_packed):
+        w13_packed, w13_scale, w2_packed, w2_scale = unpack_int4_experts(w13_packed, w13_scale, w2_packed, w2_scale)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
@@ -186,8 +271,27 @@ def _tiles_per_block(n_tiles: int, k_stages: int, busy_passes: int, sm_count: in
     return math.ceil(n_tiles / math.ceil(n_tiles / tpb))  # even out the blocks of a pass
 
 
-def _choose_variant(E: int, H: int, I: int, slots: int) -> str:
-    """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards)."""
+def _wgmma_ok(capability: tuple[int, int], H: int, I: int, tiled: bool) -> str | None:
+    """None when the wgmma family can run these operands on a GPU of ``capability``, else why not (the ValueError's
+    text): it needs sm_90, the tiled layout, H % 256 == 0 and I % 128 == 0 (group 32 and x bf16 as every kernel)."""
+    if not tiled:
+        return "it reads the tiled layout of repack_int4_experts (got compressed-tensors [E, N, K/8] experts)"
+    if tuple(capability) != (9, 0):
+        return f"it needs an sm_90 (Hopper) GPU, got compute capability {tuple(capability)}"
+    if H % WG_BN or I % 128:
+        return f"it needs H % {WG_BN} == 0 and I % 128 == 0 (H=7168, I=256 for K2 TP8), got H={H}, I={I}"
+    return None
+
+
+def _capability(dev: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(dev)
+
+
+def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> str:
+    """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards).
+    ``wgmma``: the wgmma family can run (Hopper, tiled experts, H % 256 == 0, I % 128 == 0)."""
+    if wgmma and slots >= WGMMA_MIN_ROWS_PER_EXPERT * E:
+        return "wg128" if slots >= WG128_MIN_ROWS_PER_EXPERT * E else "wg64"
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
@@ -202,8 +306,8 @@ def _choose_variant(E: int, H: int, I: int, slots: int) -> str:
 
 def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
                     variant: str | None = None, routing: tuple | None = None) -> torch.Tensor:
-    """The CUDA path; ``variant`` (a ``VARIANTS`` key or ``SKINNY``) overrides the choice by shape (benchmarks
-    sweep it). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
+    """The CUDA path; ``variant`` (a ``VARIANTS`` or ``WGMMA_VARIANTS`` key, or ``SKINNY``) overrides the choice by
+    shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
     scratch) makes the prep launch write ``topk_ids`` and ``topk_weights`` first."""
     from kdray.kernels.cuda_module import launch
 
@@ -220,7 +324,19 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     if T == 0:
         return out
     sms, slots = sm_count(dev.index), T * k
-    variant = variant or _choose_variant(E, H, I, slots)
+    tiled = is_tiled(w13_packed)
+    if variant is None:
+        variant = _choose_variant(E, H, I, slots, wgmma=_wgmma_ok(_capability(dev), H, I, tiled) is None)
+    elif variant in WGMMA_VARIANTS and (why := _wgmma_ok(_capability(dev), H, I, tiled)) is not None:
+        raise ValueError(f"variant {variant} cannot run here: {why}")
+    elif variant not in WGMMA_VARIANTS and variant not in VARIANTS and variant != SKINNY:
+        raise ValueError(f"unknown variant {variant!r}; choose from {[SKINNY, *VARIANTS, *WGMMA_VARIANTS]}")
+    if variant in WGMMA_VARIANTS:
+        for t0 in range(0, T, WG_CHUNK_TOKENS):  # tokens are independent: chunks give the same bits
+            t1 = min(T, t0 + WG_CHUNK_TOKENS)
+            _wgmma_moe(variant, x[t0:t1], w13_packed, w13_scale, w2_packed, w2_scale, topk_ids[t0:t1],
+                       topk_weights[t0:t1], None if add is None else add[t0:t1], out[t0:t1], routing, E, H, I, k, sms)
+        return out
     if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
     if variant == SKINNY and (H % 128 or I % 128):
@@ -249,12 +365,13 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
                shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
     if variant == SKINNY:
         launch("w4a16_moe", "moe_up_skinny", (max_passes, I // 16), (SKINNY_UP_THREADS,),
-               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I)), device=dev)
+               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)), device=dev)
         launch("w4a16_moe", "moe_down_skinny", (max_passes, math.ceil(H / SKINNY_DOWN_ROWS)), (SKINNY_DOWN_THREADS,),
-               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I)), device=dev)
+               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(tiled)),
+               device=dev)
     else:
         _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
-                    topk_weights, k, H, I, E, slots, max_passes, sms)
+                    topk_weights, k, H, I, E, slots, max_passes, sms, tiled)
     n4 = T * H // 4
     launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
            (acc, add if add is not None else 0, out, i32(n4)), device=dev)
@@ -262,7 +379,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
 
 
 def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
-                topk_weights, k, H, I, E, slots, max_passes, sms):
+                topk_weights, k, H, I, E, slots, max_passes, sms, tiled):
     """The tile path's gate/up and down launches (``VARIANTS[variant]``)."""
     from kdray.kernels.cuda_module import launch
 
@@ -275,10 +392,57 @@ def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_sc
     n_up = I // (bn // 2)  # tiles of bn/2 gate + bn/2 up rows over K = H
     tpb = _tiles_per_block(n_up, math.ceil(H / KC), busy, sms)
     launch("w4a16_moe", f"moe_up_{variant}", (max_passes, math.ceil(n_up / tpb)), (THREADS,),
-           (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
+           (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb),
+            i32(tiled)),
            shared_mem=smem, device=dev)
     n_down = math.ceil(H / bn)  # tiles of bn output rows over K = I
     tpb = _tiles_per_block(n_down, math.ceil(I / KC), busy, sms)
     launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (THREADS,),
            (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(n_down),
-            i32(tpb)), shared_mem=smem, device=dev)
+            i32(tpb), i32(tiled)), shared_mem=smem, device=dev)
+
+
+def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out, routing,
+               E, H, I, k, sms) -> torch.Tensor:
+    """The wgmma family: prep (sort only), ``moe_up_<variant>`` -> h [T*k, I], ``moe_down_<variant>`` -> y [T*k, H]
+    (each slot's weighted row, bf16), ``moe_finalize_slots`` (each token's rows summed in slot order: the same bits
+    on every call)."""
+    from kdray.kernels.cuda_module import launch
+
+    dev, i32 = x.device, np.int32
+    T = x.shape[0]
+    slots = T * k
+    wgm = WGMMA_VARIANTS[variant]
+    mt = 64 * wgm
+    max_passes = min(E, slots) + slots // mt
+    if max_passes > 65535:  # the grid's y dimension
+        raise ValueError(f"{T} tokens x top-{k} over {E} experts make up to {max_passes} passes of {mt} rows, past the "
+                         f"65535 one launch takes; lower WG_CHUNK_TOKENS")
+    sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)
+    passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)
+    h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # slots of skipped ids stay unwritten (and unread)
+    prep = (x, 0, 0, sorted_slot, passes)  # no permuted x, no fp32 accumulator: block 0 only
+    if routing is None:
+        launch("w4a16_moe", "moe_prep", (1,), (1024,), (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)),
+               shared_mem=8 * E, device=dev)
+    else:
+        args, defines, group_scratch = routing
+        launch("moe_route", "moe_route_prep", (1,), (1024,), (*args, *prep, i32(H), i32(mt)),
+               shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
+    busy = min(E, slots)
+    n_up = I // 128  # tiles of 128 gate + 128 up rows over K = H
+    tpb = _tiles_per_block(n_up, H // 64, busy, sms)
+    launch("w4a16_moe", f"moe_up_{variant}", (math.ceil(n_up / tpb), max_passes), (WG_THREADS,),
+           (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
+           shared_mem=WG_SMEM[wgm], device=dev)
+    n_down = H // WG_BN  # tiles of 256 output rows over K = I
+    tpb = _tiles_per_block(n_down, I // 64, busy, sms)
+    res = I <= WG_RES_K  # h rows resident in shared memory across the block's N tiles
+    launch("w4a16_moe", f"moe_down_{variant}" + ("_res" if res else ""), (math.ceil(n_down / tpb), max_passes),
+           (WG_THREADS,), (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I),
+                           i32(n_down), i32(tpb)), shared_mem=(WG_SMEM_RES if res else WG_SMEM)[wgm], device=dev)
+    n8 = T * H // 8
+    launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
+           (y, topk_ids, add if add is not None else 0, out, i32(T), i32(H), i32(k), i32(E)), device=dev)
+    return out

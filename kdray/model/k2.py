@@ -22,7 +22,7 @@ from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
-from kdray.kernels.w4a16_moe import routed_w4a16_moe
+from kdray.kernels.w4a16_moe import is_tiled, repack_int4_experts, routed_w4a16_moe
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, RMSNorm, Rotary
@@ -214,6 +214,21 @@ class MoE(nn.Module):
             self.w2_scale[local] = reader.get(f"{ep}.down_proj.weight_scale", (H, I // g), (1, i0 // g, i1 // g))
         if self.shared is not None:
             self.shared.load(reader, f"{prefix}.shared_experts")
+        if cfg.quantization is not None and self.w13_packed.is_cuda:
+            self.tile_experts()
+
+    @torch.no_grad()
+    def tile_experts(self) -> bool:
+        """Replace the compressed-tensors INT4 experts with repack_int4_experts' tiled layout (the same bytes, no
+        second copy): every CUDA MoE kernel reads it, and the Hopper wgmma kernels (prefill, large verifies) need it.
+        Done once after loading on a GPU; returns whether it repacked (INT4, group 32, widths multiples of 64)."""
+        if (self.cfg.quantization is None or is_tiled(self.w13_packed) or self.cfg.quantization.group_size != 32
+                or self.cfg.hidden_size % 64 or self.inner % 64):
+            return False
+        for name, t in zip(("w13_packed", "w13_scale", "w2_packed", "w2_scale"),
+                           repack_int4_experts(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)):
+            setattr(self, name, t)  # a registered buffer: replaced in place in _buffers
+        return True
 
 
 def _check_int4_shape(reader: CheckpointReader, prefix: str, shape: tuple[int, int]):

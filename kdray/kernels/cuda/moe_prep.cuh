@@ -32,7 +32,7 @@ __device__ int block_exclusive_scan(int v, int* sums, int* total) {
 
 // Blocks 1..P of the grid, a thread per 16-byte piece: x_perm [T, Hp] (Hp = H rounded up to 128) = x in the
 // logical k order (see w4a16_moe.cu), zero past H (skipped when x_perm is null: the skinny path reads x as it
-// is); acc [T, H] = 0.
+// is); acc [T, H] = 0 (skipped when acc is null: the wgmma path writes each slot's row and sums them in order).
 __device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4* __restrict__ x_perm,
                                               float4* __restrict__ acc, int T, int H) {
   const int pieces = (H + 127) / 128 * 16, stride = (gridDim.x - 1) * blockDim.x;  // 16-byte pieces per row
@@ -49,7 +49,7 @@ __device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4
     }
     x_perm[i] = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < T * H / 4; i += stride)
+  for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; acc != nullptr && i < T * H / 4; i += stride)
     acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 

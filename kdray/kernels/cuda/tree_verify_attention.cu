@@ -16,6 +16,8 @@
 // tva_simt_*  any head dims, fp32 or bf16: one CTA per row on the CUDA cores (correctness fallback).
 #include <cuda_bf16.h>
 
+#include "wgmma.cuh"
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TVA_MMA_SYNC)
 #define TVA_WGMMA 1
 #endif
@@ -78,8 +80,6 @@ __device__ __forceinline__ bool visible(const int* mrow, int jj, int tree_n) {
 // ---------------------------------------------------------------------------------------------------
 // Shared-memory and tensor-core primitives.
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 // Byte offset of 16-byte chunk c of row r in a 64-row tile stored as [c / 8][row][128 B], 128B swizzle.
 __device__ __forceinline__ u32 swz(int r, int c) { return ((c >> 3) << 13) + (r << 7) + (((c ^ r) & 7) << 4); }
 
@@ -96,21 +96,6 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 }
 
 #ifdef TVA_WGMMA
-// wgmma shared-memory descriptor: 128B swizzle, offsets in bytes (encoded >> 4).
-__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma window.
-template <int N>
-__device__ __forceinline__ void wg_pin(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // d[32] (+)= A[64x16] B[16x64]: both operands K-major in 128B-swizzled shared memory.
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int accumulate) {
   asm volatile(

@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 
 #include "moe_prep.cuh"
+#include "wgmma.cuh"
 
 typedef unsigned int u32;
 
@@ -108,7 +109,8 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
                                          const __nv_bfloat16* __restrict__ w_scale,
                                          const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
                                          __nv_bfloat16* __restrict__ h_out, const float* __restrict__ topk_weights,
-                                         float* __restrict__ acc_out, int k, int H, int I, int n_tiles, int tpb) {
+                                         float* __restrict__ acc_out, int k, int H, int I, int n_tiles, int tpb,
+                                         int tiled) {
   constexpr int BN = 128 * NT, HALF = BN / 2, MTILES = MT / 16;
   constexpr int W_ROW = KC / 2, S_ROW = KC / 16, A_ROW = KC * 2;  // bytes per row and stage
   constexpr int W_BYTES = BN * W_ROW, S_BYTES = BN * S_ROW, STAGE_BYTES = W_BYTES + S_BYTES + MT * A_ROW;
@@ -145,7 +147,10 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
   // ldmatrix.x4: lane l addresses row (l & 7) + 8 ((l >> 3) & 1) of the m16 tile, piece (2 s + (l >> 4)) ^ (l & 7)
   // of k-step s; the piece's low bit is the lane's own, the rest (bits 1-3) is added per step.
   const u32 a_lane = ((lane & 7) + 8 * ((lane >> 3) & 1)) * A_ROW + ((((lane >> 4) ^ lane) & 1) * 16);
-  int w_off[W_PER], s_off[S_PER];  // offsets in the expert's weights / scales for the tile being loaded, -1 past N
+  // Offsets in the expert's weights / scales for the tile being loaded (-1 past N), and their step per stage:
+  // compressed-tensors rows [N][K/8 words] / [N][K/32], or the tiled layout [K/64][N][8] / [K/64][N][2].
+  int w_off[W_PER], s_off[S_PER];
+  const int w_step = tiled ? 32 * N : KC / 8, s_step = tiled ? 8 * N : KC / 32;
   auto global_row = [&](int tile, int row) { return tile * TILE_N + (row >= HALF ? half_off : 0) + row % HALF; };
   int ld_kt = 0, ld_tile = tile0, ld_buf = 0;
   auto load_next_stage = [&]() {
@@ -153,12 +158,12 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
 #pragma unroll
       for (int i = 0; i < W_PER; ++i) {
         const int grow = global_row(ld_tile, (tid >> 3) + 32 * i);
-        w_off[i] = grow < N ? grow * (K / 8) + 4 * wu : -1;
+        w_off[i] = grow >= N ? -1 : tiled ? (wu >> 1) * 8 * N + grow * 8 + 4 * (wu & 1) : grow * (K / 8) + 4 * wu;
       }
 #pragma unroll
       for (int i = 0; i < S_PER; ++i) {
         const int grow = global_row(ld_tile, (tid >> 2) + 64 * i);
-        s_off[i] = grow < N ? grow * (K / 32) + 2 * su : -1;
+        s_off[i] = grow >= N ? -1 : tiled ? su * 2 * N + grow * 2 : grow * (K / 32) + 2 * su;
       }
     }
     const u32 st = s_base + ld_buf * STAGE_BYTES;
@@ -166,10 +171,10 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
     const bool w_ok = k0 + 32 * wu < K, s_ok = k0 + 64 * su < K, a_ok = k0 + 8 * am < lda;
 #pragma unroll
     for (int i = 0; i < W_PER; ++i)
-      if (w_off[i] >= 0) cp_async16(st + w_dst + 32 * W_ROW * i, w_exp + (w_ok ? w_off[i] + k0 / 8 : 0), w_ok);
+      if (w_off[i] >= 0) cp_async16(st + w_dst + 32 * W_ROW * i, w_exp + (w_ok ? w_off[i] + ld_kt * w_step : 0), w_ok);
 #pragma unroll
     for (int i = 0; i < S_PER; ++i)
-      if (s_off[i] >= 0) cp_async4(st + s_dst + 64 * S_ROW * i, s_exp + (s_ok ? s_off[i] + k0 / 32 : 0), s_ok);
+      if (s_off[i] >= 0) cp_async4(st + s_dst + 64 * S_ROW * i, s_exp + (s_ok ? s_off[i] + ld_kt * s_step : 0), s_ok);
 #pragma unroll
     for (int i = 0; i < A_PER; ++i)
       if (a_off[i] >= 0) cp_async16(st + a_dst + 8 * A_ROW * i, a_src + (a_ok ? a_off[i] + k0 : 0), a_ok);
@@ -304,15 +309,16 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
 #define MOE_GEMMS(NAME, MT, NT, STAGES, MIN_BLOCKS)                                                             \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_up_##NAME(                                       \
       const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot, \
-      const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb) {                        \
+      const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb, int tiled) {             \
     moe_gemm<0, MT, NT, STAGES>(x_perm, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, nullptr, k, H, \
-                                I, n_tiles, tpb);                                                              \
+                                I, n_tiles, tpb, tiled);                                                       \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##NAME(                                     \
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,      \
-      const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb) {  \
+      const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb,     \
+      int tiled) {                                                                                             \
     moe_gemm<1, MT, NT, STAGES>(h, w2_packed, w2_scale, sorted_slot, passes, nullptr, topk_weights, acc, k, H, \
-                                I, n_tiles, tpb);                                                              \
+                                I, n_tiles, tpb, tiled);                                                       \
   }
 
 // (rows per pass MT, n8 tiles per warp half NT, stages, blocks per SM): ~104 KB of shared memory each for the
@@ -390,6 +396,16 @@ __device__ __forceinline__ void skinny_chunk(float (*acc)[4], const uint4 (*w)[2
   }
 }
 
+// Index of 16-byte piece (= scale) g of weight row n of expert e over N rows of `groups` pieces: row-major for
+// compressed-tensors, [K/64][N][2 pieces] for the tiled layout (repack_int4_experts). Split as row part + group part.
+// 32-bit: an expert tensor holds fewer than 2^32 pieces (64 GiB).
+__device__ __forceinline__ u32 skinny_row(int e, int n, int N, int groups, int tiled) {
+  return (u32)e * N * groups + (u32)n * (tiled ? 2 : groups);
+}
+__device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
+  return tiled ? (u32)(g >> 1) * 2 * N + (g & 1) : (u32)g;
+}
+
 #define SK_UP_WARPS 16  // warps of a gate/up block, splitting K
 #define SK_DOWN_WARPS 8  // warps of a down block, 32 output rows each
 
@@ -401,7 +417,7 @@ __device__ __forceinline__ void skinny_chunk(float (*acc)[4], const uint4 (*w)[2
 extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
     const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
-    __nv_bfloat16* __restrict__ h, int k, int H, int I) {
+    __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {
   __shared__ float part[SK_UP_WARPS][2][4][32];
   if (blockIdx.x >= passes[0].x) return;
   const int4 pass = passes[1 + blockIdx.x];
@@ -409,8 +425,12 @@ extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
   const int c0 = blockIdx.y * 16, groups = H / 32, chunks = H / 128;
   const uint4* wq = reinterpret_cast<const uint4*>(w13_packed);
-  const size_t gate = (size_t)e * 2 * I + c0 + r;  // weight row of tile row r (gate); + 8, + I, + I + 8 the others
-  const size_t wrow[2][2] = {{gate, gate + 8}, {gate + I, gate + I + 8}};
+  const int gate = c0 + r;  // the expert's weight row of tile row r (gate); + 8, + I, + I + 8 the others
+  u32 wrow[2][2];  // 16-byte piece (and scale) index of group 0 of each row; skinny_group adds group g's offset
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, gate + m * I + 8 * hh, 2 * I, groups, tiled);
   const uint4* xr = r < rows ? reinterpret_cast<const uint4*>(x) + (size_t)(sorted_slot[row0 + r] / k) * (H / 8)
                              : nullptr;
   float acc[2][4] = {};
@@ -422,8 +442,8 @@ extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        w_[m][hh] = ld_stream(wq + wrow[m][hh] * groups + g);
-        s_[m][hh] = w13_scale[wrow[m][hh] * groups + g];
+        w_[m][hh] = ld_stream(wq + wrow[m][hh] + skinny_group(g, 2 * I, tiled));
+        s_[m][hh] = w13_scale[wrow[m][hh] + skinny_group(g, 2 * I, tiled)];
       }
 #pragma unroll
     for (int q = 0; q < 4; ++q) x_[q] = xr != nullptr ? __ldg(xr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
@@ -472,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
 extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
     const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
     const int* __restrict__ sorted_slot, const int4* __restrict__ passes, const float* __restrict__ topk_weights,
-    float* __restrict__ acc_out, int k, int H, int I) {
+    float* __restrict__ acc_out, int k, int H, int I, int tiled) {
   __shared__ float tile[SK_DOWN_WARPS][16 * 8];
   if (blockIdx.x >= passes[0].x) return;
   const int4 pass = passes[1 + blockIdx.x];
@@ -482,8 +502,11 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
   if (n0 >= H) return;
   const bool tile1 = n0 + 16 < H;
   const uint4* wq = reinterpret_cast<const uint4*>(w2_packed);
-  const size_t base = (size_t)e * H + n0 + r;
-  const size_t wrow[2][2] = {{base, base + 8}, {base + 16, base + 24}};
+  u32 wrow[2][2];  // as in moe_up_skinny; rows past H (a half block) are never loaded
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, n0 + r + 16 * m + 8 * hh, H, groups, tiled);
   const uint4* hr = r < rows ? reinterpret_cast<const uint4*>(h) + (size_t)(row0 + r) * (I / 8) : nullptr;
   float acc[2][4] = {};
 #pragma unroll 2
@@ -496,8 +519,8 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const bool ok = m == 0 || tile1;
-        w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] * groups + g) : make_uint4(0u, 0u, 0u, 0u);
-        sc[m][hh] = ok ? w2_scale[wrow[m][hh] * groups + g] : __float2bfloat16(0.f);
+        w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] + skinny_group(g, H, tiled)) : make_uint4(0u, 0u, 0u, 0u);
+        sc[m][hh] = ok ? w2_scale[wrow[m][hh] + skinny_group(g, H, tiled)] : __float2bfloat16(0.f);
       }
 #pragma unroll
     for (int q = 0; q < 4; ++q) xv[q] = hr != nullptr ? __ldg(hr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
@@ -527,5 +550,307 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
       red_add4(acc_out + (size_t)token * H + n0 + 16 * m + 4 * quad, v);
     }
     __syncwarp();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Hopper path (sm_90a; many rows per expert): wgmma grouped GEMM over the tiled expert layout of
+// repack_int4_experts (packed [E][K/64][N][8 words], scales [E][K/64][N][2]: the 64 k of one K tile of an N tile's
+// rows are one contiguous run). A block owns one pass (<= M = 64 WGM rows of one expert) and streams its N tiles
+// of BN = 256 weight rows over K in stages of 64 k, flat over (tile, K tile) like moe_gemm above:
+//   * cp.async ring of WG_STAGES raw stages: the pass's activation rows [M][64 k] (natural k order, 128B swizzle:
+//     16-byte chunk c of row r at c ^ (r & 7), the canonical K-major wgmma layout), packed weights [BN][32 B] and
+//     scales [BN][2];
+//   * all 256 threads dequantize a raw stage into bf16 [BN][64 k] (same swizzle) in one of two B buffers while the
+//     tensor cores run the previous stage (wgmma is asynchronous; two stages' wgmma groups are in flight at the
+//     top of a step, so the tensor cores never wait for the barriers);
+//   * wgmma m64nNk16, both operands from shared memory: WGM = 2 warpgroups each take 64 rows x all 256 columns
+//     (N = 256), or WGM = 1: both warpgroups take the 64 rows, 128 columns each.
+// Up (MODE 0): tile t holds 128 outputs; its B rows are [gate 64][up 64][gate 64][up 64] (outputs 128 t + [0, 64),
+// then + [64, 128)), so every 128-column slice has a gate column and its up column 64 apart in one thread's
+// accumulators; h[row, o] = silu(gate) * up (bf16, natural order). Down (MODE 1): y[slot, n] = topk_weight *
+// (W2 h)[n] in bf16, one row per (token, slot); moe_finalize_slots sums each token's k rows in slot order, so the
+// result is the same bits on every call (no atomics).
+#define WG_BN 256     // weight rows per N tile
+#define WG_THREADS 256
+
+#define WG_RES_K 256  // the down GEMM keeps its pass's h rows in shared memory when I <= WG_RES_K
+
+// RES: the pass's activation rows [M][K <= WG_RES_K] are loaded once into shared memory (64-k chunks of [M][128 B],
+// swizzled) instead of with every stage; the down GEMM's K = I is that small for K2 TP8 (256), and its N tiles
+// would otherwise read the same rows 28 times.
+template <int WGM, bool RES>
+struct WgCfg {
+  static constexpr int M = 64 * WGM, WGN = 2 / WGM, NW = WG_BN / WGN;  // rows per pass; columns per warpgroup
+  static constexpr int A_BYTES = RES ? 0 : M * 128, W_BYTES = WG_BN * 32, S_BYTES = WG_BN * 4;
+  static constexpr int STAGE = A_BYTES + W_BYTES + S_BYTES;  // a multiple of 1024 (swizzle atom alignment)
+  static constexpr int STAGES = RES ? 8 : WGM == 2 ? 5 : 6;
+  static constexpr int RES_BYTES = RES ? M * WG_RES_K * 2 : 0;
+  static constexpr int B_BYTES = WG_BN * 128;
+  // [resident A][raw stages][2 B buffers]; + 1024: the base is rounded up to 1024
+  static constexpr int SMEM = 1024 + RES_BYTES + STAGES * STAGE + 2 * B_BYTES;
+};
+static_assert(WgCfg<1, false>::STAGE % 1024 == 0 && WgCfg<2, false>::STAGE % 1024 == 0 &&
+              WgCfg<1, true>::STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
+static_assert(WgCfg<2, true>::SMEM <= 227 * 1024 && WgCfg<2, false>::SMEM <= 227 * 1024, "shared memory per block");
+
+// Word of 8 nibbles (8 consecutive k) -> 4 bf16x2 (k 2j, 2j + 1) * scale, q = u - 8: natural k order.
+__device__ __forceinline__ void dequant_word_natural(u32 w, __nv_bfloat162 scale, u32* out) {
+  const __nv_bfloat162 bias = bits_bf2(0x43084308u);  // 136 = 128 + 8
+  const u32 hi = w >> 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 t = __byte_perm(w, hi, j | ((4 + j) << 8));  // low nibbles: byte 0 = nibble 2j, byte 2 = nibble 2j + 1
+    asm("lop3.b32 %0, %0, %1, %2, 0xEA;\n" : "+r"(t) : "r"(0x000F000Fu), "r"(0x43004300u));
+    out[j] = bf2_bits(__hmul2(__hsub2(bits_bf2(t), bias), scale));
+  }
+}
+
+// MODE 0: a_src = x [T, H], w = w13 tiled, writes h [slots, I]. MODE 1: a_src = h, w = w2 tiled, writes y
+// [T * k, H]. Launch: grid (ceil(n_tiles / tpb), max_passes), block 256, shared WgCfg<WGM, RES>::SMEM bytes: the
+// blocks of one pass run side by side (its activation rows are read from L2 once), then those of the expert's next
+// pass (its weights again).
+// Needs H % 256 == 0, I % 128 == 0, and with RES K <= WG_RES_K (checked by the caller).
+template <int MODE, int WGM, bool RES>
+__device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__ a_src,
+                                               const int* __restrict__ w_packed,
+                                               const __nv_bfloat16* __restrict__ w_scale,
+                                               const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
+                                               __nv_bfloat16* __restrict__ out, const float* __restrict__ topk_weights,
+                                               int k, int H, int I, int n_tiles, int tpb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = WgCfg<WGM, RES>;
+  constexpr int A_PER = RES ? 1 : C::M / 32;  // 16-byte activation chunks per thread and stage
+  extern __shared__ unsigned char wg_smem[];
+  if (blockIdx.y >= passes[0].x) return;
+  const int4 pass = passes[1 + blockIdx.y];
+  const int e = pass.x, row0 = pass.y, rows = pass.z;
+  const int K = MODE == 0 ? H : I, N = MODE == 0 ? 2 * I : H, KT = K / 64;
+  const int tile0 = blockIdx.x * tpb;
+  const int n_stages = (min(tile0 + tpb, n_tiles) - tile0) * KT;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int wg_m = WGM == 2 ? wg : 0, wg_n = WGM == 2 ? 0 : wg;
+  const u32 base = (smem_u32(wg_smem) + 1023) & ~1023u;
+  unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
+  const u32 raw_base = base + C::RES_BYTES, b_base = raw_base + C::STAGES * C::STAGE;
+  const int* w_exp = w_packed + (size_t)e * KT * N * 8;
+  const __nv_bfloat16* s_exp = w_scale + (size_t)e * KT * N * 2;
+
+  // Loader: activation chunk (row (tid >> 3) + 32 i, chunk tid & 7); weight pieces (row (tid >> 1) + 128 i, half
+  // tid & 1: words 4 half .. + 3); scales (threads < 64: rows 4 tid .. + 3, 16 bytes).
+  int a_off[A_PER];
+#pragma unroll
+  for (int i = 0; i < A_PER; ++i) {
+    const int ar = (tid >> 3) + 32 * i;
+    a_off[i] = RES || ar >= rows ? -1
+                                 : (MODE == 0 ? (sorted_slot[row0 + ar] / k) * H : (row0 + ar) * I) + 8 * (tid & 7);
+  }
+  const u32 a_dst = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
+  // Weight row of B row r of tile t (MODE 0: [gate 64][up 64][gate 64][up 64] of outputs 128 t + [0, 128)).
+  auto grow = [&](int t, int r) {
+    return MODE == 0 ? ((r >> 6) & 1) * I + t * 128 + (r >> 7) * 64 + (r & 63) : t * WG_BN + r;
+  };
+  if (RES) {  // the pass's rows, all of K, once (they join stage 0's copy group): chunk q -> row q / (K / 8)
+    const int per_row = K / 8;
+    for (int q = tid; q < C::M * per_row; q += WG_THREADS) {
+      const int ar = q / per_row, ch = q - ar * per_row, c = ch & 7;
+      if (ar < rows)
+        cp_async16(base + (ch >> 3) * C::M * 128 + ar * 128 + ((c ^ (ar & 7)) << 4),
+                   a_src + (MODE == 0 ? (sorted_slot[row0 + ar] / k) * H : (row0 + ar) * I) + 8 * ch, true);
+    }
+  }
+  int ld_kt = 0, ld_tile = tile0, ld_slot = 0;
+  int w_row[2], s_row = 0;
+  auto load_next = [&]() {
+    if (ld_kt == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) w_row[i] = grow(ld_tile, (tid >> 1) + 128 * i);
+      s_row = grow(ld_tile, 4 * (tid & 63));
+    }
+    const u32 st = raw_base + ld_slot * C::STAGE;
+    const int k0 = ld_kt * 64;
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i)
+      if (!RES && a_off[i] >= 0) cp_async16(st + a_dst + 32 * 128 * i, a_src + a_off[i] + k0, true);
+    const int* wk = w_exp + (size_t)ld_kt * N * 8 + 4 * (tid & 1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) cp_async16(st + C::A_BYTES + (tid + 256 * i) * 16, wk + w_row[i] * 8, true);
+    if (tid < 64)
+      cp_async16(st + C::A_BYTES + C::W_BYTES + tid * 16, s_exp + (size_t)ld_kt * N * 2 + s_row * 2, true);
+    ld_slot = ld_slot == C::STAGES - 1 ? 0 : ld_slot + 1;
+    if (++ld_kt == KT) {
+      ld_kt = 0;
+      ++ld_tile;
+    }
+  };
+  // Raw stage `slot` -> bf16 B buffer `buf`: unit (row r, half) per thread and i: r = (tid >> 1) + 128 i.
+  auto dequant = [&](int slot, int buf) {
+    const unsigned char* st = sbase + C::RES_BYTES + slot * C::STAGE;
+    unsigned char* b = sbase + C::RES_BYTES + C::STAGES * C::STAGE + buf * C::B_BYTES;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = (tid >> 1) + 128 * i, half = tid & 1;
+      const uint4 w = *reinterpret_cast<const uint4*>(st + C::A_BYTES + (tid + 256 * i) * 16);
+      const __nv_bfloat162 sc = __bfloat162bfloat162(
+          reinterpret_cast<const __nv_bfloat16*>(st + C::A_BYTES + C::W_BYTES)[2 * r + half]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        u32 v[4];
+        dequant_word_natural(q == 0 ? w.x : q == 1 ? w.y : q == 2 ? w.z : w.w, sc, v);
+        *reinterpret_cast<uint4*>(b + r * 128 + (((4 * half + q) ^ (r & 7)) << 4)) = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+    }
+  };
+
+  // This thread's accumulator rows (16 warp + g, + 8) of the pass, and for the down GEMM their slots and weights.
+  const int m_lo = wg_m * 64 + 16 * warp + (lane >> 2), c2 = 2 * (lane & 3);
+  int slot_of[2] = {0, 0};
+  float wgt[2] = {0.f, 0.f};
+  if (MODE == 1) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      if (m_lo + 8 * hh < rows) {
+        slot_of[hh] = sorted_slot[row0 + m_lo + 8 * hh];
+        wgt[hh] = topk_weights[slot_of[hh]];
+      }
+  }
+  float acc[C::NW / 2];
+#pragma unroll
+  for (int i = 0; i < C::NW / 2; ++i) acc[i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < C::STAGES - 1; ++s) {
+    if (s < n_stages) load_next();
+    cp_async_commit();
+  }
+  cp_async_wait<C::STAGES - 2>();
+  fence_proxy_async();
+  __syncthreads();
+  if (n_stages > 0) dequant(0, 0);
+  fence_proxy_async();  // the generic-proxy stores of B, read next by wgmma (async proxy)
+  __syncthreads();
+
+  const bool active = wg_m * 64 < rows;  // warpgroup-uniform: a second warpgroup past the pass's rows stores nothing
+  int kt = 0, tile = tile0, slot = 0;
+  for (int s = 0; s < n_stages; ++s) {
+    // Step s: wgmma(s) joins wgmma(s - 1) in flight; once (s - 1) is done everywhere, its raw slot takes the copies of
+    // stage s + STAGES - 1 and its B buffer the dequantized stage s + 1.
+    const u32 a_st = (RES ? base + kt * C::M * 128 : raw_base + slot * C::STAGE) + wg_m * 64 * 128;
+    const u32 b_st = b_base + (s & 1) * C::B_BYTES + wg_n * C::NW * 128;
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)  // k16 steps: +32 bytes inside the 128-byte swizzled rows
+      wgmma_ss(acc, wg_desc(a_st + 32 * ks, 16, 1024), wg_desc(b_st + 32 * ks, 16, 1024), kt > 0 || ks > 0);
+    wg_commit();
+    wg_wait<1>();                    // this warpgroup's wgmma(s - 1) is done
+    cp_async_wait<C::STAGES - 3>();  // stage s + 1 has landed (this thread's copies)
+    fence_proxy_async();
+    __syncthreads();  // ... everyone's; every wgmma(s - 1) done: its raw slot and B buffer are free
+    if (s + C::STAGES - 1 < n_stages) load_next();  // into the slot of stage s - 1
+    cp_async_commit();
+    slot = slot == C::STAGES - 1 ? 0 : slot + 1;
+    if (s + 1 < n_stages) dequant(slot, (s + 1) & 1);  // overlaps the tensor cores' work on stage s
+    fence_proxy_async();
+    __syncthreads();  // B of stage s + 1 complete
+    if (++kt < KT) continue;
+    // Epilogue of tile `tile`: acc[4 j + v] is row m_lo + 8 (v >> 1), column 8 j + c2 + (v & 1) of the slice.
+    wg_wait<0>();
+    wg_pin(acc);
+    if (active) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int m = m_lo + 8 * hh;
+        if (m >= rows) continue;
+        if (MODE == 0) {
+          __nv_bfloat16* dst = out + (size_t)(row0 + m) * I + tile * 128 + wg_n * (C::NW / 2) + c2;
+#pragma unroll
+          for (int blk = 0; blk < C::NW / 128; ++blk)
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+              const int jg = 16 * blk + jj, ju = jg + 8;
+              const float g0 = acc[4 * jg + 2 * hh], g1 = acc[4 * jg + 2 * hh + 1];
+              const float u0 = acc[4 * ju + 2 * hh], u1 = acc[4 * ju + 2 * hh + 1];
+              *reinterpret_cast<__nv_bfloat162*>(dst + 64 * blk + 8 * jj) =
+                  __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+            }
+        } else {
+          __nv_bfloat16* dst = out + (size_t)slot_of[hh] * H + tile * WG_BN + wg_n * C::NW + c2;
+#pragma unroll
+          for (int j = 0; j < C::NW / 8; ++j)
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+                __floats2bfloat162_rn(wgt[hh] * acc[4 * j + 2 * hh], wgt[hh] * acc[4 * j + 2 * hh + 1]);
+        }
+      }
+    }
+    kt = 0;
+    ++tile;
+  }
+  wg_wait<0>();
+  cp_async_wait<0>();
+#else
+  __trap();  // the Python side launches these on sm_90 only
+#endif
+}
+
+#define MOE_WGMMA(NAME, WGM)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_up_##NAME(                                  \
+      const __nv_bfloat16* x, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot,   \
+      const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb) {                      \
+    moe_wgmma_gemm<0, WGM, false>(x, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, k, H, I, n_tiles, \
+                                  tpb);                                                                        \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_down_##NAME(                                \
+      const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,     \
+      const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,      \
+      int tpb) {                                                                                               \
+    moe_wgmma_gemm<1, WGM, false>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I,      \
+                                  n_tiles, tpb);                                                               \
+  }                                                                                                            \
+  /* I <= WG_RES_K: the pass's h rows stay in shared memory across the N tiles */                              \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_down_##NAME##_res(                          \
+      const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,     \
+      const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,      \
+      int tpb) {                                                                                               \
+    moe_wgmma_gemm<1, WGM, true>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I,       \
+                                 n_tiles, tpb);                                                                \
+  }
+
+MOE_WGMMA(wg64, 1)   // 64-row passes: both warpgroups on the same rows, 128 columns each
+MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns each
+
+// out[t] = bf16(sum over valid slots j in order of y[t k + j]) (+ add, rounded as in moe_finalize); ids < 0 or >= E
+// are skipped. 8 outputs per thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.
+extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const long long* __restrict__ ids,
+                                              const uint4* __restrict__ add, uint4* __restrict__ out, int T, int H,
+                                              int k, int E) {
+  const int h8 = H / 8;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < T * h8; i += gridDim.x * blockDim.x) {
+    const int t = i / h8, c = i - t * h8;
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+      const long long id = ids[(size_t)t * k + j];
+      if (id < 0 || id >= E) continue;
+      const uint4 v = y[((size_t)t * k + j) * h8 + c];
+      const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(bits_bf2(w[q]));
+        s[2 * q] += f.x;
+        s[2 * q + 1] += f.y;
+      }
+    }
+    u32 o[4];
+    const uint4 a = add != nullptr ? add[i] : make_uint4(0u, 0u, 0u, 0u);
+    const u32 aw[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      __nv_bfloat162 r = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
+      if (add != nullptr) {
+        const float2 rf = __bfloat1622float2(r), af = __bfloat1622float2(bits_bf2(aw[q]));
+        r = __floats2bfloat162_rn(rf.x + af.x, rf.y + af.y);
+      }
+      o[q] = bf2_bits(r);
+    }
+    out[i] = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
