@@ -69,9 +69,9 @@ WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
 WG_RES_K = 256
 WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
-# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen: first guesses, not yet
-# measured (the wgmma family replaces m64n2 where that won; 128-row passes once a 64-row pass would run twice per
-# expert); tune with `python benchmarks/bench_moe.py`, whose sweep prints every family.
+# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. H200 sweep, K2 TP8, 384
+# experts (`python benchmarks/bench_moe.py`): 21 per expert (T=1024) m32n2 774 us < wg64 1017; 43 (T=2080) wg64 1126
+# < wg128 1275 < m64n2 1307; 85 (T=4096) wg128 1576 < wg64 2245 < m32n2 2430.
 WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 32, 64
 # The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
 # launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
