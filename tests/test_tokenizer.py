@@ -14,8 +14,9 @@ import transformers
 from tiktoken._educational import bpe_train
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kdray.model.tokenizer import (KIMI_PATTERN, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN, ChatTemplateError,
-                                   IncrementalDetokenizer, TiktokenBackend, Tokenizer, tiktoken_chunks)
+from kdray.model.tokenizer import (CACHED_PIECE_CHARS, KIMI_PATTERN, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN,
+                                   ChatTemplateError, IncrementalDetokenizer, TiktokenBackend, Tokenizer,
+                                   tiktoken_chunks)
 
 # Kimi-K2's named special tokens, offsets from the first special id (= the number of BPE ranks)
 K2_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
@@ -399,3 +400,42 @@ def test_decode_work_per_call_is_bounded(both, backend):
         most[n] = max(counting.backend.sizes)
     bound = IncrementalDetokenizer.CONTEXT + IncrementalDetokenizer.MAX_HELD
     assert most == {100: bound, 2000: bound}
+
+
+# ---------------------------------------------------------------- long texts encoded piece by piece, from a cache
+
+@pytest.mark.parametrize("backend", ["tiktoken", "tokenizers"])
+def test_long_texts_cut_at_special_tokens_encode_as_a_whole(both, backend):
+    """A long text is cut at its special tokens and its long pieces come from a cache: the ids are the backend's
+    for the whole text, with whitespace, digits and multi-byte characters on either side of the cuts."""
+    tok, _ = both[backend]
+    tok = Tokenizer(tok.backend)  # a cache of its own
+    specials = [t.content for t in tok.backend.get_added_tokens_decoder().values()]
+    system = training_text(400)
+    assert len(system) >= CACHED_PIECE_CHARS and tok.backend.special_cuts(system) is not None
+    rng = random.Random(3)
+    for _ in range(40):
+        parts = [system]
+        for _ in range(rng.randint(1, 5)):
+            parts += [rng.choice(specials), rng.choice([system[:rng.randint(0, 2000)], " ", "\n\n", "  12 3", "é世 x", ""])]
+        text = "".join(parts)
+        assert tok.encode(text) == tok.backend.encode(text)
+    assert tok._cached_piece.cache_info().hits >= 39  # the shared piece was encoded once
+
+
+def test_tokens_that_strip_their_neighbours_keep_the_text_whole(hf_backend):
+    """An added token that strips the whitespace after it makes its neighbour's ids depend on it: no cuts."""
+    backend = tokenizers.Tokenizer.from_str(hf_backend.to_str())
+    backend.add_special_tokens([tokenizers.AddedToken("<|strip|>", rstrip=True, normalized=False)])
+    tok = Tokenizer(backend)
+    text = training_text(400) + "<|strip|>   after it" + "</s>"
+    assert tok.backend.special_cuts(text) is None
+    assert tok.encode(text) == backend.encode(text, add_special_tokens=False).ids
+
+
+def test_tiktoken_long_runs_keep_the_text_whole(k2, reference):
+    """Over TIKTOKEN_MAX_RUN, Kimi's chunks are cut from the run's start in the whole text: no cuts at specials."""
+    text = "x<|im_end|>" + "a" * (TIKTOKEN_MAX_RUN + 5) + "<|im_end|>y"
+    assert k2.backend.special_cuts(text) is None
+    assert k2.backend.special_cuts(text[:CACHED_PIECE_CHARS]) is not None
+    assert k2.encode(text) == [i for p in tiktoken_chunks(text) for i in reference.encode(p, allowed_special="all")]

@@ -3,6 +3,8 @@
 Two backends sit behind one ``Tokenizer``: ``tokenizers`` (``tokenizer.json`` or a GGUF vocabulary) and
 tiktoken (Kimi-K2's ``tiktoken.model``). Both encode special tokens written in the text as their ids (what
 transformers does with a rendered chat prompt; user text is not escaped) and decode with special tokens skipped.
+Both encode the text between two special tokens on its own, so ``Tokenizer`` caches the ids of long pieces: a
+system prompt shared by many chat requests is encoded once.
 """
 from __future__ import annotations
 
@@ -37,6 +39,14 @@ KIMI_SPECIAL_IDS = 256  # special ids follow the BPE ranks: n .. n+255, unnamed 
 # of non-whitespace longer than 25k characters (BPE is quadratic in a piece's length).
 TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN = 400_000, 25_000
 _RUN = re.compile(r"\s+|\S+")
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (TIKTOKEN_MAX_RUN + 1, TIKTOKEN_MAX_RUN + 1))
+CACHED_PIECE_CHARS = 1024  # text between special tokens at least this long is encoded once and cached
+PIECE_CACHE_SIZE = 64  # such pieces kept (least recently used dropped)
+
+
+def _special_pattern(tokens: list[str]) -> re.Pattern | None:
+    """A regex matching ``tokens`` leftmost-longest (as the backends split text at them); None when there are none."""
+    return re.compile("|".join(map(re.escape, sorted(set(tokens), key=len, reverse=True)))) if tokens else None
 
 
 class TokenizersBackend:
@@ -44,9 +54,19 @@ class TokenizersBackend:
 
     def __init__(self, tok: tokenizers.Tokenizer):
         self.tok = tok
+        added = list(tok.get_added_tokens_decoder().values())
+        # An added token that strips whitespace beside it, or is matched in normalised text (a second pass), ties
+        # its neighbours' ids to it: then the text is never cut.
+        plain = not any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added)
+        self._specials = _special_pattern([t.content for t in added]) if plain else None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def special_cuts(self, text: str) -> re.Pattern | None:
+        """The added tokens, as a regex, where ``text`` may be cut into pieces encoded alone with the same ids
+        (tokenizers splits at added tokens before it normalises and pre-tokenizes); None where it may not."""
+        return self._specials
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -67,6 +87,9 @@ class TiktokenBackend:
 
         self.num_ranks, self.specials = len(ranks), specials
         self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        # tiktoken finds special tokens in no particular order: cut only where no special token contains another
+        nested = any(a != b and a in b for a in specials for b in specials)
+        self._specials = None if nested else _special_pattern(list(specials))
 
     @classmethod
     def from_files(cls, model: Path, added_tokens: dict[int, str]) -> "TiktokenBackend":
@@ -87,6 +110,14 @@ class TiktokenBackend:
 
     def encode(self, text: str) -> list[int]:
         return [i for piece in tiktoken_chunks(text) for i in self.enc.encode(piece, allowed_special="all")]
+
+    def special_cuts(self, text: str) -> re.Pattern | None:
+        """The special tokens, as a regex, where ``text`` may be cut into pieces encoded alone with the same ids:
+        tiktoken encodes the text between special tokens on its own, and ``tiktoken_chunks`` keeps ``text`` whole
+        unless it is over TIKTOKEN_MAX_CHARS or holds a run over TIKTOKEN_MAX_RUN (then None: not cut)."""
+        if len(text) > TIKTOKEN_MAX_CHARS or _LONG_RUN.search(text):
+            return None
+        return self._specials
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode([i for i in ids if 0 <= i < self.num_ranks])  # special (and unknown) ids skipped
@@ -245,6 +276,7 @@ class Tokenizer:
         self.eos_token_ids, self.bos_token_id = tuple(eos_token_ids), bos_token_id
         # a template, or {name: template} with a "default" (and a "tool_use" one for requests with tools)
         self.chat_template, self.bos_token, self.eos_token = chat_template, bos_token, eos_token
+        self._cached_piece = lru_cache(maxsize=PIECE_CACHE_SIZE)(lambda piece: tuple(self.backend.encode(piece)))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer | None":
@@ -271,8 +303,22 @@ class Tokenizer:
         return cls(backend, ids(eos), (ids(bos) or (None,))[0], _chat_templates(path, conf), bos, eos)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in it become their ids. No BOS is added."""
-        return self.backend.encode(text)
+        """Token ids of ``text``; special tokens written in it become their ids. No BOS is added. The ids of text
+        between special tokens of CACHED_PIECE_CHARS or more come from a cache (the same ids: see the module)."""
+        cuts = self.backend.special_cuts(text) if len(text) >= CACHED_PIECE_CHARS else None
+        if cuts is None:
+            return self.backend.encode(text)
+        ids, start = [], 0
+        for m in cuts.finditer(text):
+            ids += self._piece(text[start:m.start()])
+            ids.append(self.backend.token_to_id(m.group()))
+            start = m.end()
+        return ids + self._piece(text[start:])
+
+    def _piece(self, text: str) -> list[int]:
+        if len(text) >= CACHED_PIECE_CHARS:
+            return list(self._cached_piece(text))
+        return self.backend.encode(text) if text else []
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``, special tokens skipped; half a UTF-8 character decodes as U+FFFD."""
