@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pickle
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kdray.model.tokenizer import (CACHED_PIECE_CHARS, KIMI_PATTERN, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN,
                                    ChatTemplateError, IncrementalDetokenizer, TiktokenBackend, Tokenizer,
-                                   tiktoken_chunks)
+                                   cached_piece_ids, tiktoken_chunks)
 
 # Kimi-K2's named special tokens, offsets from the first special id (= the number of BPE ranks)
 K2_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
@@ -409,7 +410,7 @@ def test_long_texts_cut_at_special_tokens_encode_as_a_whole(both, backend):
     """A long text is cut at its special tokens and its long pieces come from a cache: the ids are the backend's
     for the whole text, with whitespace, digits and multi-byte characters on either side of the cuts."""
     tok, _ = both[backend]
-    tok = Tokenizer(tok.backend)  # a cache of its own
+    cached_piece_ids.cache_clear()
     specials = [t.content for t in tok.backend.get_added_tokens_decoder().values()]
     system = training_text(400)
     assert len(system) >= CACHED_PIECE_CHARS and tok.backend.special_cuts(system) is not None
@@ -420,7 +421,14 @@ def test_long_texts_cut_at_special_tokens_encode_as_a_whole(both, backend):
             parts += [rng.choice(specials), rng.choice([system[:rng.randint(0, 2000)], " ", "\n\n", "  12 3", "é世 x", ""])]
         text = "".join(parts)
         assert tok.encode(text) == tok.backend.encode(text)
-    assert tok._cached_piece.cache_info().hits >= 39  # the shared piece was encoded once
+    assert cached_piece_ids.cache_info().hits >= 39  # the shared piece was encoded once
+
+
+def test_a_tokenizer_with_its_cache_pickles(both):
+    """A tokenizer pickles (the piece cache is module-level, not part of it) and its copy encodes the same."""
+    tok, _ = both["tokenizers"]
+    text = training_text(400) + "</s>"
+    assert pickle.loads(pickle.dumps(tok)).encode(text) == tok.encode(text)
 
 
 def test_tokens_that_strip_their_neighbours_keep_the_text_whole(hf_backend):

@@ -44,6 +44,12 @@ CACHED_PIECE_CHARS = 1024  # text between special tokens at least this long is e
 PIECE_CACHE_SIZE = 64  # such pieces kept (least recently used dropped)
 
 
+@lru_cache(maxsize=PIECE_CACHE_SIZE)
+def cached_piece_ids(backend: "TokenizersBackend | TiktokenBackend", piece: str) -> tuple[int, ...]:
+    """``backend``'s ids of a long piece of text between special tokens, kept for the next request that holds it."""
+    return tuple(backend.encode(piece))
+
+
 def _special_pattern(tokens: list[str]) -> re.Pattern | None:
     """A regex matching ``tokens`` leftmost-longest (as the backends split text at them); None when there are none."""
     return re.compile("|".join(map(re.escape, sorted(set(tokens), key=len, reverse=True)))) if tokens else None
@@ -276,7 +282,6 @@ class Tokenizer:
         self.eos_token_ids, self.bos_token_id = tuple(eos_token_ids), bos_token_id
         # a template, or {name: template} with a "default" (and a "tool_use" one for requests with tools)
         self.chat_template, self.bos_token, self.eos_token = chat_template, bos_token, eos_token
-        self._cached_piece = lru_cache(maxsize=PIECE_CACHE_SIZE)(lambda piece: tuple(self.backend.encode(piece)))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer | None":
@@ -317,7 +322,7 @@ class Tokenizer:
 
     def _piece(self, text: str) -> list[int]:
         if len(text) >= CACHED_PIECE_CHARS:
-            return list(self._cached_piece(text))
+            return list(cached_piece_ids(self.backend, text))
         return self.backend.encode(text) if text else []
 
     def decode(self, ids: list[int]) -> str:
