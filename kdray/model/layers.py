@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import Llama3Scaling, YarnScaling
+from kdray.kernels.gqa_rope_cache import rope_halves_reference
+from kdray.kernels.mla_rope_cache import rope_interleaved_reference
 from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_linear
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
@@ -143,8 +146,7 @@ class GatedMLP(nn.Module):
         self.down = Linear(inner, dim, dtype, tp_dim=1, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))
 
     def load(self, reader: CheckpointReader, prefix: str):
         self.gate_up.load(reader, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
@@ -208,13 +210,8 @@ class Rotary(nn.Module):
         return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[T, heads, dim]`` -> rotated ``[T, heads, dim]``."""
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        """x ``[T, heads, dim]`` -> rotated ``[T, heads, dim]`` (the fused kernels' references)."""
+        return (rope_interleaved_reference if self.interleaved else rope_halves_reference)(x, cos, sin)
 
 
 class DecoderLayer(nn.Module):

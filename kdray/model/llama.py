@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kdray.config import LlamaConfig
+from kdray.kernels.gqa_rope_cache import gqa_rope_cache
 from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
@@ -36,10 +37,10 @@ class LlamaAttention(nn.Module):
                 batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]``, cache ``[P, S, 2, Hkv/tp, D]`` (this layer) -> ``[T, hidden]``."""
         T, D = x.shape[0], self.head_dim
-        q = rotary(self.q_proj(x).view(T, self.heads, D), cos, sin)  # [T, Hl, D]
-        k = rotary(self.k_proj(x).view(T, self.kv_heads, D), cos, sin)  # [T, Hkvl, D]
+        q = self.q_proj(x).view(T, self.heads, D)  # [T, Hl, D]
+        k = self.k_proj(x).view(T, self.kv_heads, D)  # [T, Hkvl, D]
         v = self.v_proj(x).view(T, self.kv_heads, D)
-        cache.view(-1, 2, self.kv_heads, D)[batch.slot_mapping] = torch.stack([k, v], dim=1).to(cache.dtype)
+        gqa_rope_cache(q, k, v, cos, sin, cache.view(-1, 2, self.kv_heads, D), batch.slot_mapping)  # q, k roped
         if batch.is_prefill:
             out = prefill_attention(q, k, v, batch.cu_q, batch.q_lens, self.scale)  # [T, Hl, D]
         else:
