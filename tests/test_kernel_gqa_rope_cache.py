@@ -25,8 +25,8 @@ def inputs(T, H, Hkv, D, rows, dtype, device="cpu", seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_equals_the_attention_code_it_replaced(dtype):
-    T, H, Hkv, D, rows = 9, 6, 2, 16, 40
-    rotary, cos, sin, q, k, v, slots = inputs(T, H, Hkv, D, rows, dtype)
+    rows, Hkv, D = 40, 2, 16
+    rotary, cos, sin, q, k, v, slots = inputs(9, 6, Hkv, D, rows, dtype)
     x1, x2 = q.chunk(2, dim=-1)  # the rope as written before, halves rotated
     c, s = cos[:, None, :], sin[:, None, :]
     want_q = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
