@@ -16,19 +16,13 @@ import torch
 
 from kdray.kernels.cuda_module import launch
 from kdray.kernels.rmsnorm import DTYPES
-
-
-def rope_halves_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, D]``, cos/sin ``[T, D/2]`` -> ``[T, heads, D]``: element ``p`` paired with ``D/2 + p``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+from kdray.kernels.rope import rope_reference
 
 
 def gqa_rope_cache_reference(q, k, v, cos, sin, cache_rows, slot_mapping) -> None:
     """The unfused torch form of :func:`gqa_rope_cache` (same arguments)."""
-    q.copy_(rope_halves_reference(q, cos, sin))
-    k.copy_(rope_halves_reference(k, cos, sin))
+    q.copy_(rope_reference(q, cos, sin, interleaved=False))
+    k.copy_(rope_reference(k, cos, sin, interleaved=False))
     cache_rows[slot_mapping] = torch.stack([k, v], dim=1).to(cache_rows.dtype)
 
 

@@ -18,24 +18,17 @@ import torch
 
 from kdray.kernels.cuda_module import launch
 from kdray.kernels.rmsnorm import DTYPES, rmsnorm_reference
+from kdray.kernels.rope import rope_reference
 
 MAX_ROPE_DIM = 64  # a warp ropes one row: R / 2 pairs <= 32 lanes
-
-
-def rope_interleaved_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, R]``, cos/sin ``[T, R/2]`` -> ``[T, heads, R]``: pairs ``(2p, 2p+1)`` rotated, written
-    de-interleaved."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def mla_rope_cache_reference(kv_a, weight, eps, cos, sin, q_pe, q_out, cache_rows, slot_mapping) -> None:
     """The unfused torch form of :func:`mla_rope_cache` (same arguments)."""
     latent, k_pe = kv_a.split([weight.shape[0], kv_a.shape[-1] - weight.shape[0]], dim=-1)
     latent = rmsnorm_reference(latent, weight, eps)
-    q_out.copy_(rope_interleaved_reference(q_pe, cos, sin))
-    k_pe = rope_interleaved_reference(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+    q_out.copy_(rope_reference(q_pe, cos, sin, interleaved=True))
+    k_pe = rope_reference(k_pe.unsqueeze(1), cos, sin, interleaved=True).squeeze(1)
     cache_rows[slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache_rows.dtype)
 
 

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import Llama3Scaling, YarnScaling
-from kdray.kernels.gqa_rope_cache import rope_halves_reference
-from kdray.kernels.mla_rope_cache import rope_interleaved_reference
 from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kdray.kernels.rope import rope_reference
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_linear
 from kdray.model.batch import ForwardBatch
@@ -211,7 +210,7 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x ``[T, heads, dim]`` -> rotated ``[T, heads, dim]`` (the fused kernels' references)."""
-        return (rope_interleaved_reference if self.interleaved else rope_halves_reference)(x, cos, sin)
+        return rope_reference(x, cos, sin, self.interleaved)
 
 
 class DecoderLayer(nn.Module):
