@@ -50,22 +50,26 @@ def test_bf16_ddtree_with_cuda_graphs_equals_ar():
 def test_prefill_replayed_from_graphs_equals_eager(spec):
     """Requests one at a time: each prompt is a lone chunk, prefilled from a graph padded to its bucket, the later
     ones after their cached shared prefix (the verify form); a 600-token prompt is over the buckets and runs
-    eagerly. fp32: the same tokens as the engine without graphs."""
-    kw = dict(model="k2-tiny", device="cuda", dtype="float32", spec=spec, max_num_seqs=4)
+    eagerly. fp32: the same tokens and drafter context as the engine without graphs."""
+    kw = dict(model="k2-tiny", device="cuda", dtype="float32", spec=spec, max_num_seqs=4, num_pages=128)
     if spec == "ddtree":
         kw.update(drafter="random", budget=16, block_size=4)
     system = torch.randint(2, 1000, (40,), generator=GEN).tolist()  # two full pages, cached after the first
     prompts = [system + [50 + i] * (1 + 7 * i) for i in range(4)] + [torch.randint(2, 1000, (600,)).tolist()]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    results = []
+    results, draft_kv = [], []
     for graphs in (True, False):
         llm = LLM(**kw, cuda_graphs=graphs)
         results.append([tokens(llm.generate(prompt_token_ids=[p], sampling_params=params)) for p in prompts])
+        if spec == "ddtree":  # the drafter's context, which the prompt graphs write themselves (lossless without it)
+            draft_kv.append(llm.engine.runner.draft_kv[:, :-1].clone())  # the scratch page left out
         if graphs:
             captured = {key[0] for key in llm.engine.runner._prompt_graphs._captures}
             assert captured == {(("cached", False),), (("cached", True),)}
             assert llm.engine.scheduler.prefix_hits >= 2 * 3  # the later prompts found the shared pages
     assert results[0] == results[1]
+    if draft_kv:
+        torch.testing.assert_close(draft_kv[0], draft_kv[1], rtol=1e-4, atol=1e-4)
 
 
 def test_no_automatic_garbage_collection_inside_a_capture():

@@ -75,9 +75,12 @@ def test_bad_shapes_are_an_error():
     ([1], 8, 8, K2_DIMS),  # one token
     ([1, 2, 3, 100, 1000], 8, 8, K2_DIMS),  # ragged
     ([4096, 17, 2049], 64, 64, K2_DIMS),  # K2's whole 64 heads
+    ([5000, 4096], 8, 8, K2_DIMS),  # long prompts only: cuDNN, one call each
+    ([4096], 64, 64, K2_DIMS),
     ([65536], 8, 8, K2_DIMS),  # a 64k prompt on a TP8 shard
     ([2048] * 8, 8, 8, K2_DIMS),
     ([777, 1, 300], 9, 3, LLAMA_DIMS),  # SmolLM2's GQA
+    ([6000], 9, 3, LLAMA_DIMS),  # equal head dims: FlashAttention at any length
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_matches_float64(lens, H, Hkv, dims, dtype):

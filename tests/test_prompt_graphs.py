@@ -1,5 +1,5 @@
 """A lone prompt chunk padded to a prompt bucket, as the graphed prefill runs it (here eagerly, on the CPU): the
-chunk's logits, context features and KV equal the unpadded pass's, and the padding writes only the scratch page."""
+chunk's logits, KV and drafter context equal the unpadded pass's, and the padding writes only the scratch page."""
 import pytest
 import torch
 from test_llama import make_tiny
@@ -39,14 +39,18 @@ def test_padded_chunk_equals_the_unpadded_pass(runner, start, n):
     fb = ForwardBatch.build(ids, torch.arange(start, start + n), [n], [start], table, ps, mask)
     last = fb.cu_q[1:].long() - 1
     runner.kv.normal_(generator=g)  # cached tokens (and everything else) random
-    before = runner.kv.clone()
+    runner.draft_kv.normal_(generator=g)
+    before, draft_before = runner.kv.clone(), runner.draft_kv.clone()
     logits, features = runner.forward_prompts(fb, [start], last, None)
-    unpadded = runner.kv.clone()
+    runner.add_context(features, fb.positions, fb.slot_mapping)  # what prefill does after an unpadded pass
+    unpadded, draft_unpadded = runner.kv.clone(), runner.draft_kv.clone()
     runner.kv.copy_(before)
+    runner.draft_kv.copy_(draft_before)
     padded_logits, padded_features = runner.forward_prompts(fb, [start], last, eager_graphs(runner))
     assert padded_logits.shape == logits.shape and torch.allclose(padded_logits, logits, atol=1e-5)
-    assert padded_features.shape == features.shape and torch.allclose(padded_features, features, atol=1e-5)
+    assert padded_features is None  # the padded pass wrote them into the drafter's context itself
     assert torch.allclose(runner.kv[:, :scratch], unpadded[:, :scratch], atol=1e-5)  # the chunk's KV, nothing else
+    assert torch.allclose(runner.draft_kv[:, :scratch], draft_unpadded[:, :scratch], atol=1e-5)
     # the padding's KV went to the scratch page (16 tokens fill their bucket: no padding)
     assert torch.equal(runner.kv[:, scratch], unpadded[:, scratch]) == (n in PROMPT_BUCKETS)
 

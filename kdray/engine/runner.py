@@ -26,7 +26,7 @@ from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, Prefil
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
 from kdray.kernels.tree_build import DraftTree, tree_build
-from kdray.model.batch import ForwardBatch, causal_tree_mask, pack_bits, uniform_batch
+from kdray.model.batch import ForwardBatch, causal_tree_mask, device_array, pack_bits, uniform_batch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
@@ -37,16 +37,12 @@ from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, app
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts a lone prompt chunk's graphed forward is padded to
+NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}  # of the slot state
 
 
 def bucket(n: int, limit: int) -> int:
     """The batch size a step of ``n`` sequences runs at under CUDA graphs (the smallest bucket that holds it)."""
     return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
-
-
-def host_ints(values: list[int], dtype: type = np.int64) -> torch.Tensor:
-    """A CPU tensor of ``values`` made through numpy (``torch.tensor`` parses a list of ints several times slower)."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def root_only_tree(roots: torch.Tensor) -> DraftTree:
@@ -96,10 +92,10 @@ class SlotState:
         penalised context's last chunk, its counts from its history."""
         dev = self.block_table.device
         self.set_pages(dict(zip(batch.slots, batch.pages)))
-        idx = torch.tensor(batch.slots, device=dev)
+        idx = device_array(batch.slots, dev)  # [B]
 
         def put(state: torch.Tensor, values: list):
-            state[idx] = torch.tensor(values, dtype=state.dtype).to(dev)
+            state[idx] = device_array(values, dev, NUMPY_DTYPES[state.dtype])
 
         ps = batch.params
         for state, values in ((self.temperature, [p.temperature for p in ps]), (self.top_k, [p.top_k for p in ps]),
@@ -148,16 +144,18 @@ class SlotState:
             if len(row) > width:
                 raise ValueError(f"{len(row)} KV pages for one sequence exceed the block-table width {width}")
             rows[i, :len(row)] = row
-        self.block_table[host_ints(list(pages)).to(dev)] = torch.from_numpy(rows).to(dev)
+        self.block_table[device_array(list(pages), dev)] = device_array(rows, dev, np.int32)
 
-    def start(self, idx: torch.Tensor, first: torch.Tensor, prompt_lens: torch.Tensor):
-        """After a prefill: each slot's bonus token is its first generated one (counted), its cached length the
-        context's. The scratch slot (the warm-up's prefills) stays at length 0."""
-        self.roots[idx] = first
-        self.prefix_lens[idx] = prompt_lens.to(torch.int32)
+    def start(self, idx: torch.Tensor, first: torch.Tensor, ends: torch.Tensor, done: torch.Tensor):
+        """After a prefill: each slot of ``idx [B]`` whose chunk ends its context (``done [B]``) has its first
+        generated token ``first [B]`` as its bonus token (counted) and its context's length ``ends [B]`` as its cached
+        length; the others keep theirs. Selected on the device (a boolean index would wait for the prefill). The
+        scratch slot (the warm-up's prefills) stays at length 0."""
+        self.roots[idx] = torch.where(done, first, self.roots[idx])
+        self.prefix_lens[idx] = torch.where(done, ends.to(torch.int32), self.prefix_lens[idx])
         self.prefix_lens[self.scratch:].zero_()
         if self.counts is not None:
-            self.counts.index_put_((idx, first), torch.ones_like(first, dtype=torch.float32), accumulate=True)
+            self.counts.index_put_((idx, first), done.float(), accumulate=True)
 
     def inputs(self, idx: torch.Tensor, all_greedy: bool, extras: tuple[str, ...] = ()) -> StepInputs:
         """The state of slots ``idx [B]`` for one step."""
@@ -302,9 +300,10 @@ class ModelRunner:
         prompt tokens (``prompt_logprobs``: those run eagerly)."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
-        ids = host_ints([t for p in batch.prompts for t in p]).to(self.device)  # [T]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, lens)]).to(self.device)
-        idx = torch.tensor(batch.slots, device=self.device)
+        ids = device_array([t for p in batch.prompts for t in p], self.device)  # [T]
+        positions = device_array(np.concatenate([np.arange(s, s + n) for s, n in zip(batch.starts, lens)]),
+                                 self.device)  # [T]
+        idx = device_array(batch.slots, self.device)  # [B]
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
         mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
         fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
@@ -322,10 +321,10 @@ class ModelRunner:
             roots = root_only_tree(torch.zeros(len(batch.slots), dtype=torch.int64))
             chosen = masked(chosen, tree_masks(batch.grammars, roots, logits.shape[1]).to(self.device))
         first = choose_tokens(chosen, positions[last], inputs.params)
-        given = torch.tensor([-1 if r is None else r for r in batch.roots], device=self.device)
+        given = device_array([-1 if r is None else r for r in batch.roots], self.device)  # [B]
         first = torch.where(given >= 0, given, first)  # [B]
-        done = torch.tensor(batch.last, device=self.device)
-        self.slots.start(idx[done], first[done], positions[last][done] + 1)
+        done = device_array(batch.last, self.device, np.bool_)  # [B]
+        self.slots.start(idx, first, positions[last] + 1, done)
         logprobs = None
         if "logprobs" in extras or scores is not None:
             logprobs = token_logprobs(logits, first, MAX_LOGPROBS)  # [B, 1+K] each
@@ -340,15 +339,16 @@ class ModelRunner:
         ``scored`` tokens: per chunk, the prompt token after each of its first positions, S in all)."""
         hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)  # [T, H]
         rows = [start + j for start, s in zip(accumulate(lens, initial=0), scored) for j in range(len(s))]
-        rows = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
-        tokens = torch.tensor([t for s in scored for t in s], dtype=torch.int64, device=self.device)  # [S]
+        rows = device_array(rows, self.device)  # [S]
+        tokens = device_array([t for s in scored for t in s], self.device)  # [S]
         head = self.target.model.logits
         return head(hidden[last]), features, head_logprobs(head, hidden[rows], tokens, MAX_LOGPROBS)
 
     def forward_prompts(self, fb: ForwardBatch, starts: list[int], last: torch.Tensor, graphs: GraphedFn | None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over the chunks of ``fb`` (starting after ``starts`` cached tokens) -> (the logits at rows
-        ``last [B]``: ``[B, V]``, the context features ``[T, F]`` or None). A lone chunk of at most a prompt
+        ``last [B]``: ``[B, V]``, the context features ``[T, F]``, or None: none asked, or the graph already handed
+        them to the drafter, see :meth:`_prompt_fn`). A lone chunk of at most a prompt
         bucket's tokens is padded to the bucket and replayed from ``graphs``: the padding rows come after the
         chunk's, so causal attention keeps them from the chunk's tokens, and their KV goes to the scratch page
         (their positions stay inside the block table, which the verify form reads)."""
@@ -374,11 +374,16 @@ class ModelRunner:
     def _prompt_fn(self, timer: StageTimer, ids: torch.Tensor, positions: torch.Tensor, prefix_lens: torch.Tensor,
                    block_table: torch.Tensor, slot_mapping: torch.Tensor, last: torch.Tensor,
                    mask: torch.Tensor | None = None, cached: bool = False):
-        """One padded chunk's forward (what :meth:`forward_prompts` replays) -> (logits ``[1, V]``, features)."""
+        """One padded chunk's forward (what :meth:`forward_prompts` replays) -> (logits ``[1, V]``, features). With a
+        drafter in this process the features go into its context here, inside the graph (the padding's into the
+        scratch page), and None is returned for them."""
         size = ids.shape[0]
         fb = ForwardBatch(input_ids=ids, positions=positions, cu_q=self._prompt_cu[size], q_lens=[size],
                           prefix_lens=prefix_lens, block_table=block_table, slot_mapping=slot_mapping, tree_mask=mask)
         hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
+        if self.drafter is not None and features is not None:
+            self.add_context(features, positions, slot_mapping)
+            features = None
         return self.target.model.logits(hidden[last]), features
 
     def absorb_prompts(self, batch: PrefillBatch, features: torch.Tensor, first: torch.Tensor):
@@ -386,15 +391,16 @@ class ModelRunner:
         context ``features [T, F]`` into the drafter's cache and start the slots of last chunks at ``first [B]``."""
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)  # [B+1]
-        idx = torch.tensor(batch.slots, device=self.device)
-        starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)  # [B]
+        cu = device_array(np.cumsum([0, *lens]), self.device, np.int32)  # [B+1]
+        idx = device_array(batch.slots, self.device)  # [B]
+        starts = device_array(batch.starts, self.device, np.int32)  # [B]
         rows = ForwardBatch.slots(self.slots.block_table[idx], starts, cu, self.page_size, sum(lens))
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, lens)]).to(self.device)
+        positions = device_array(np.concatenate([np.arange(s, s + n) for s, n in zip(batch.starts, lens)]),
+                                 self.device)  # [T]
         self.add_context(features, positions, rows)
-        done = torch.tensor(batch.last, device=self.device)
-        ends = torch.tensor([s + n for s, n in zip(batch.starts, lens)], device=self.device)
-        self.slots.start(idx[done], first[done], ends[done])
+        done = device_array(batch.last, self.device, np.bool_)  # [B]
+        ends = device_array([s + n for s, n in zip(batch.starts, lens)], self.device)  # [B]
+        self.slots.start(idx, first, ends, done)
 
     def add_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
         """Hand target features ``[n, F]`` at ``positions [n]`` to the drafter: its cache rows ``rows [n]``."""
@@ -461,7 +467,7 @@ class ModelRunner:
     def slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slots as a device index ``[Bp]``, padded with the scratch slot to a bucket's size under graphs."""
         padded = slots + [self.slots.scratch] * (self.padded(len(slots)) - len(slots))
-        return host_ints(padded).to(self.device, non_blocking=True)
+        return device_array(padded, self.device)
 
     def _run(self, fn, graphs: GraphedFn | None, *inputs, **options) -> tuple[tuple, StageTimer]:
         """``fn(timer, *inputs, **options)``: replayed from ``graphs`` when there are graphs, else eagerly."""

@@ -13,7 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def device_array(values, device: torch.device | str, dtype: type = np.int64) -> torch.Tensor:
+    """``values`` (a list or an array) as a tensor on ``device``: made through numpy (``torch.tensor`` parses a list
+    of ints several times slower) and, for a GPU, copied from pinned memory, so the copy queues behind the stream's
+    work instead of the host waiting for it."""
+    host = torch.from_numpy(np.asarray(values, dtype=dtype))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -46,10 +57,8 @@ class ForwardBatch:
               block_table: torch.Tensor, page_size: int, tree_mask: torch.Tensor | None) -> "ForwardBatch":
         """Assemble a batch on ``input_ids.device`` from host lists and device tensors."""
         dev = input_ids.device
-        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        cu_q[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-        cu_q = cu_q.to(dev)
-        prefix = torch.tensor(prefix_lens, dtype=torch.int32, device=dev)
+        cu_q = device_array(np.cumsum([0, *q_lens]), dev, np.int32)  # [B+1]
+        prefix = device_array(prefix_lens, dev, np.int32)  # [B]
         block_table = block_table.to(dev)
         return cls(input_ids=input_ids, positions=positions, cu_q=cu_q, q_lens=list(q_lens), prefix_lens=prefix,
                    block_table=block_table,
