@@ -85,7 +85,8 @@ def causal_tree_mask(q_lens: list[int], device: torch.device) -> torch.Tensor:
     i = torch.arange(qmax)
     bits = (i[None, :] <= i[:, None])  # [Qmax, Qmax]
     mask = pack_bits(bits)  # [Qmax, W]
-    return mask.unsqueeze(0).expand(len(q_lens), qmax, words).contiguous().to(device)
+    masks = mask.unsqueeze(0).expand(len(q_lens), qmax, words).contiguous()  # [B, Qmax, W]
+    return device_array(masks, device, np.int32)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
