@@ -39,7 +39,6 @@ KIMI_SPECIAL_IDS = 256  # special ids follow the BPE ranks: n .. n+255, unnamed 
 # of non-whitespace longer than 25k characters (BPE is quadratic in a piece's length).
 TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN = 400_000, 25_000
 _RUN = re.compile(r"\s+|\S+")
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (TIKTOKEN_MAX_RUN + 1, TIKTOKEN_MAX_RUN + 1))
 CACHED_PIECE_CHARS = 1024  # text between special tokens at least this long is encoded once and cached
 PIECE_CACHE_SIZE = 64  # such pieces kept (least recently used dropped)
 
@@ -119,11 +118,9 @@ class TiktokenBackend:
 
     def special_cuts(self, text: str) -> re.Pattern | None:
         """The special tokens, as a regex, where ``text`` may be cut into pieces encoded alone with the same ids:
-        tiktoken encodes the text between special tokens on its own, and ``tiktoken_chunks`` keeps ``text`` whole
-        unless it is over TIKTOKEN_MAX_CHARS or holds a run over TIKTOKEN_MAX_RUN (then None: not cut)."""
-        if len(text) > TIKTOKEN_MAX_CHARS or _LONG_RUN.search(text):
-            return None
-        return self._specials
+        tiktoken encodes the text between special tokens on its own, as long as ``tiktoken_chunks`` keeps ``text``
+        whole (None where it cuts it)."""
+        return self._specials if len(tiktoken_chunks(text)) <= 1 else None
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode([i for i in ids if 0 <= i < self.num_ranks])  # special (and unknown) ids skipped
