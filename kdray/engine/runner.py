@@ -45,6 +45,11 @@ def bucket(n: int, limit: int) -> int:
     return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
 
 
+def chunk_positions(starts: list[int], lens: list[int], device: torch.device) -> torch.Tensor:
+    """``[sum(lens)]`` int64 on ``device``: the positions of context chunks of ``lens`` tokens after ``starts``."""
+    return device_array(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]), device)
+
+
 def root_only_tree(roots: torch.Tensor) -> DraftTree:
     """The tree of autoregressive decoding: the bonus token alone. roots ``[B]``."""
     B, dev = roots.shape[0], roots.device
@@ -301,8 +306,7 @@ class ModelRunner:
         self.slots.admit(batch)
         lens = [len(p) for p in batch.prompts]
         ids = device_array([t for p in batch.prompts for t in p], self.device)  # [T]
-        positions = device_array(np.concatenate([np.arange(s, s + n) for s, n in zip(batch.starts, lens)]),
-                                 self.device)  # [T]
+        positions = chunk_positions(batch.starts, lens, self.device)  # [T]
         idx = device_array(batch.slots, self.device)  # [B]
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
         mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
@@ -395,8 +399,7 @@ class ModelRunner:
         idx = device_array(batch.slots, self.device)  # [B]
         starts = device_array(batch.starts, self.device, np.int32)  # [B]
         rows = ForwardBatch.slots(self.slots.block_table[idx], starts, cu, self.page_size, sum(lens))
-        positions = device_array(np.concatenate([np.arange(s, s + n) for s, n in zip(batch.starts, lens)]),
-                                 self.device)  # [T]
+        positions = chunk_positions(batch.starts, lens, self.device)  # [T]
         self.add_context(features, positions, rows)
         done = device_array(batch.last, self.device, np.bool_)  # [B]
         ends = device_array([s + n for s, n in zip(batch.starts, lens)], self.device)  # [B]
