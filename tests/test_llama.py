@@ -116,6 +116,16 @@ def test_verify_chain_matches_full_recompute(tiny):
         assert rel_err(got, ref) < 1e-4
 
 
+@pytest.mark.parametrize("q_lens", [[1], [5, 3], [31, 32], [33], [64, 2], [100]])
+def test_causal_tree_mask_is_the_packed_lower_triangle(q_lens):
+    """The device-made causal mask equals the lower triangle packed by pack_bits, word boundaries included."""
+    q = max(q_lens)
+    i = torch.arange(q)
+    want = pack_bits(i[None, :] <= i[:, None]).expand(len(q_lens), q, (q + 31) // 32)
+    got = causal_tree_mask(q_lens, torch.device("cpu"))
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
 def test_verify_tree_branches(tiny):
     """A root with two children: each child's logits equal the chain root -> child recomputed in full."""
     hf, model, _ = tiny

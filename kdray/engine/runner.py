@@ -308,12 +308,15 @@ class ModelRunner:
         ids = device_array([t for p in batch.prompts for t in p], self.device)  # [T]
         positions = chunk_positions(batch.starts, lens, self.device)  # [T]
         idx = device_array(batch.slots, self.device)  # [B]
-        # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk
-        mask = causal_tree_mask(lens, self.device) if any(batch.starts) else None
+        scored = any(batch.scored)
+        graphed = not scored and self._prompt_bucket(len(ids), batch.starts, graphs) is not None
+        # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk (a graphed
+        # chunk has its bucket's own)
+        mask = causal_tree_mask(lens, self.device) if any(batch.starts) and not graphed else None
         fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
         last = fb.cu_q[1:].long() - 1  # [B]
         scores = None
-        if any(batch.scored):
+        if scored:
             logits, features, scores = self.score_prompts(fb, last, lens, batch.scored)
         else:
             logits, features = self.forward_prompts(fb, batch.starts, last, graphs)  # [B, V], [T, F] or None
@@ -348,6 +351,14 @@ class ModelRunner:
         head = self.target.model.logits
         return head(hidden[last]), features, head_logprobs(head, hidden[rows], tokens, MAX_LOGPROBS)
 
+    def _prompt_bucket(self, T: int, starts: list[int], graphs: GraphedFn | None) -> int | None:
+        """The prompt bucket a lone chunk of ``T`` tokens (after ``starts[0]`` cached ones) replays from
+        ``graphs`` at, or None when it runs eagerly: no graphs, several chunks, over the largest bucket, or padded
+        past the block table's last position."""
+        size = next((n for n in PROMPT_BUCKETS if n >= T), None) if graphs is not None else None
+        limit = self.layout.max_pages_per_seq * self.page_size
+        return None if size is None or len(starts) != 1 or starts[0] + size > limit else size
+
     def forward_prompts(self, fb: ForwardBatch, starts: list[int], last: torch.Tensor, graphs: GraphedFn | None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over the chunks of ``fb`` (starting after ``starts`` cached tokens) -> (the logits at rows
@@ -356,9 +367,9 @@ class ModelRunner:
         bucket's tokens is padded to the bucket and replayed from ``graphs``: the padding rows come after the
         chunk's, so causal attention keeps them from the chunk's tokens, and their KV goes to the scratch page
         (their positions stay inside the block table, which the verify form reads)."""
-        T, limit = fb.input_ids.shape[0], self.layout.max_pages_per_seq * self.page_size
-        size = next((n for n in PROMPT_BUCKETS if n >= T), None) if graphs is not None else None
-        if size is None or len(starts) != 1 or starts[0] + size > limit:
+        T = fb.input_ids.shape[0]
+        size = self._prompt_bucket(T, starts, graphs)
+        if size is None:
             hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
             return self.target.model.logits(hidden[last]), features
         pad = size - T
@@ -367,7 +378,7 @@ class ModelRunner:
         inputs = (torch.cat([fb.input_ids, torch.zeros_like(after)]),
                   torch.cat([fb.positions, fb.positions[-1] + after]), fb.prefix_lens, fb.block_table,
                   torch.cat([fb.slot_mapping, scratch]), last)
-        cached = fb.tree_mask is not None
+        cached = starts[0] > 0
         if cached:  # a chunk after cached tokens: the verify form, causal over the padded chunk
             if size not in self._prompt_masks:
                 self._prompt_masks[size] = causal_tree_mask([size], self.device)

@@ -6,18 +6,20 @@ weight multiplies it (as HF computes it). ``add_rmsnorm(x, residual)`` returns `
 SGLang's fused add-RMSNorm do.
 
 CUDA tensors of float32 / bfloat16 / float16 (weight of the same dtype) run ``cuda/rmsnorm.cu``: one block per
-row, 16-byte accesses, on torch's current stream, no host sync (CUDA-graph capturable). Other inputs, CPU
-tensors and anything autograd must differentiate (drafter training) run the torch reference below.
+row, 16-byte accesses (with many rows up to ``NV`` per thread: a K2 row of 7168 bf16 in 224 threads), on torch's
+current stream, no host sync (CUDA-graph capturable). Other inputs, CPU tensors and anything autograd must
+differentiate (drafter training) run the torch reference below.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kdray.kernels.cuda_module import as_rows, launch, vector_elems
+from kdray.kernels.cuda_module import as_rows, launch, sm_count, vector_elems
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_VECS = 4 * 1024  # vectors per row: 1024 threads x NV = 4 in the .cu
+NV = 4  # vectors per thread at most (NV in the .cu)
+MAX_VECS = NV * 1024  # vectors per row: 1024 threads x NV
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,7 +75,11 @@ def _launch(x, residual, weight, eps):
                          f"accesses of {vec}); normalise in chunks or extend NV in cuda/rmsnorm.cu")
     rows = x2.shape[0]
     if rows:
-        threads = min(1024, (nvec + 31) // 32 * 32)
+        # Fewer rows than SMs (decode, small verify passes): a thread per access, the shortest path per row; more
+        # rows: the fewest warps that cover a row in NV accesses, more rows in flight per SM (a 16k-token K2
+        # prefill's norms: 67% of the copy rate with 896-thread blocks; 1x0 K2 decode 3% slower with 224)
+        per_thread = 1 if rows < sm_count(x.device.index) else NV
+        threads = min(1024, (-(-nvec // per_thread) + 31) // 32 * 32)
         launch("rmsnorm", "rmsnorm", (rows,), (threads,),
                (x2, np.int64(x2.stride(0)), 0 if r2 is None else r2, np.int64(0 if r2 is None else r2.stride(0)),
                 0 if res_out is None else res_out, weight, out, np.int32(dim), np.float32(eps)),

@@ -83,7 +83,7 @@ class MLAttention(nn.Module):
             mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q_pe, q_pe, rows,
                            batch.slot_mapping)
             latent, k_pe = rows[batch.slot_mapping].split([L, c.qk_rope_head_dim], dim=-1)  # as cached
-            out = self._plain(q[..., :nope], q_pe, latent, k_pe, batch)
+            out = self._plain(q, latent, k_pe, batch)
         else:
             q_attn = torch.empty(T, self.heads, c.kv_cache_dim, dtype=q.dtype, device=q.device)  # [T, Hl, L + rope]
             mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q[..., nope:],
@@ -97,13 +97,13 @@ class MLAttention(nn.Module):
             torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))  # [Hl, T, v]
         return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))
 
-    def _plain(self, q_nope, q_pe, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
-        """Causal attention per prompt with keys and values expanded per head -> ``[T, Hl, v]``."""
+    def _plain(self, q, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
+        """Causal attention per prompt with keys and values expanded per head: queries ``[T, Hl, nope + rope]`` (their
+        rope part already roped in place) -> ``[T, Hl, v]``."""
         c = self.cfg
         kv = self.kv_b_proj(latent).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)  # [T, Hl, nope + rope]
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, Hl, nope + rope]
         return prefill_attention(q, k, v, batch.cu_q, batch.q_lens, c.softmax_scale)
 
     def load(self, reader: CheckpointReader, prefix: str):

@@ -606,6 +606,19 @@ __device__ __forceinline__ void dequant_word_natural(u32 w, __nv_bfloat162 scale
   }
 }
 
+// The 4 lanes of a quad each hold one row's bf16x2 words w[i] = columns 8 i + 2 (lane & 3) .. + 1 of 4 consecutive
+// 8-column groups i; returns this lane's 16 bytes, columns 8 (lane & 3) .. + 7 (the quad's 4 x 4 transpose in two
+// rounds of shuffles), so the epilogue stores 16 bytes per lane instead of 4 (four times fewer store instructions:
+// the down GEMM's epilogue was throttled on the store queue). All 32 lanes must call it.
+__device__ __forceinline__ uint4 quad_transpose(const u32 (&w)[4], int lane) {
+  const bool b = lane & 1, h = lane & 2;
+  const u32 s0 = __shfl_xor_sync(0xffffffffu, b ? w[0] : w[1], 1), s1 = __shfl_xor_sync(0xffffffffu, b ? w[2] : w[3], 1);
+  // Columns 4 h .. + 3 of groups b (c0) and 2 + b (c1).
+  const u32 c0lo = b ? s0 : w[0], c0hi = b ? w[1] : s0, c1lo = b ? s1 : w[2], c1hi = b ? w[3] : s1;
+  const u32 r_lo = __shfl_xor_sync(0xffffffffu, h ? c0lo : c1lo, 2), r_hi = __shfl_xor_sync(0xffffffffu, h ? c0hi : c1hi, 2);
+  return h ? make_uint4(r_lo, r_hi, c1lo, c1hi) : make_uint4(c0lo, c0hi, r_lo, r_hi);
+}
+
 // MODE 0: a_src = x [T, H], w = w13 tiled, writes h [slots, I]. MODE 1: a_src = h, w = w2 tiled, writes y
 // [T * k, H]. Launch: grid (ceil(n_tiles / tpb), max_passes), block 256, shared WgCfg<WGM, RES>::SMEM bytes: the
 // blocks of one pass run side by side (its activation rows are read from L2 once), then those of the expert's next
@@ -703,7 +716,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   };
 
   // This thread's accumulator rows (16 warp + g, + 8) of the pass, and for the down GEMM their slots and weights.
-  const int m_lo = wg_m * 64 + 16 * warp + (lane >> 2), c2 = 2 * (lane & 3);
+  const int m_lo = wg_m * 64 + 16 * warp + (lane >> 2);
   int slot_of[2] = {0, 0};
   float wgt[2] = {0.f, 0.f};
   if (MODE == 1) {
@@ -753,32 +766,43 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
     fence_proxy_async();
     __syncthreads();  // B of stage s + 1 complete
     if (++kt < KT) continue;
-    // Epilogue of tile `tile`: acc[4 j + v] is row m_lo + 8 (v >> 1), column 8 j + c2 + (v & 1) of the slice.
+    // Epilogue of tile `tile`: acc[4 j + v] is row m_lo + 8 (v >> 1), column 8 j + 2 (lane & 3) + (v & 1) of the slice.
     wg_wait<0>();
     wg_pin(acc);
+    // Each quad's row: groups of 4 x 8 columns, transposed across the quad into one 16-byte store per lane (lane q
+    // stores group 4 g + q).
     if (active) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int m = m_lo + 8 * hh;
-        if (m >= rows) continue;
+        const int m = m_lo + 8 * hh;  // quad-uniform; every lane shuffles, only rows < rows store
         if (MODE == 0) {
-          __nv_bfloat16* dst = out + (size_t)(row0 + m) * I + tile * 128 + wg_n * (C::NW / 2) + c2;
+          __nv_bfloat16* dst = out + (size_t)(row0 + m) * I + tile * 128 + wg_n * (C::NW / 2) + 8 * (lane & 3);
 #pragma unroll
-          for (int blk = 0; blk < C::NW / 128; ++blk)
+          for (int g = 0; g < C::NW / 64; ++g) {  // 8-column groups 4 g .. + 3 of the h slice (gate at jg, up at + 8)
+            u32 w[4];
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-              const int jg = 16 * blk + jj, ju = jg + 8;
+            for (int i = 0; i < 4; ++i) {
+              const int jo = 4 * g + i, jg = 16 * (jo >> 3) + (jo & 7), ju = jg + 8;
               const float g0 = acc[4 * jg + 2 * hh], g1 = acc[4 * jg + 2 * hh + 1];
               const float u0 = acc[4 * ju + 2 * hh], u1 = acc[4 * ju + 2 * hh + 1];
-              *reinterpret_cast<__nv_bfloat162*>(dst + 64 * blk + 8 * jj) =
-                  __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+              w[i] = bf2_bits(__floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1));
             }
+            const uint4 v = quad_transpose(w, lane);
+            if (m < rows) *reinterpret_cast<uint4*>(dst + 32 * g) = v;
+          }
         } else {
-          __nv_bfloat16* dst = out + (size_t)slot_of[hh] * H + tile * WG_BN + wg_n * C::NW + c2;
+          __nv_bfloat16* dst = out + (size_t)slot_of[hh] * H + tile * WG_BN + wg_n * C::NW + 8 * (lane & 3);
 #pragma unroll
-          for (int j = 0; j < C::NW / 8; ++j)
-            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-                __floats2bfloat162_rn(wgt[hh] * acc[4 * j + 2 * hh], wgt[hh] * acc[4 * j + 2 * hh + 1]);
+          for (int g = 0; g < C::NW / 32; ++g) {
+            u32 w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int j = 4 * g + i;
+              w[i] = bf2_bits(__floats2bfloat162_rn(wgt[hh] * acc[4 * j + 2 * hh], wgt[hh] * acc[4 * j + 2 * hh + 1]));
+            }
+            const uint4 v = quad_transpose(w, lane);
+            if (m < rows) *reinterpret_cast<uint4*>(dst + 32 * g) = v;
+          }
         }
       }
     }
@@ -827,16 +851,26 @@ extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < T * h8; i += gridDim.x * blockDim.x) {
     const int t = i / h8, c = i - t * h8;
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      const long long id = ids[(size_t)t * k + j];
-      if (id < 0 || id >= E) continue;
-      const uint4 v = y[((size_t)t * k + j) * h8 + c];
-      const u32 w[4] = {v.x, v.y, v.z, v.w};
+    for (int j0 = 0; j0 < k; j0 += 8) {  // 8 slots' loads in flight at once, then their sum in slot order
+      uint4 v[8];
+      bool ok[8];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(bits_bf2(w[q]));
-        s[2 * q] += f.x;
-        s[2 * q + 1] += f.y;
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = j0 + jj;
+        const long long id = j < k ? ids[(size_t)t * k + j] : -1;
+        ok[jj] = id >= 0 && id < E;
+        v[jj] = ok[jj] ? y[((size_t)t * k + j) * h8 + c] : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        if (!ok[jj]) continue;
+        const u32 w[4] = {v[jj].x, v[jj].y, v[jj].z, v[jj].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(bits_bf2(w[q]));
+          s[2 * q] += f.x;
+          s[2 * q + 1] += f.y;
+        }
       }
     }
     u32 o[4];
