@@ -612,10 +612,12 @@ __device__ __forceinline__ void dequant_word_natural(u32 w, __nv_bfloat162 scale
 // the down GEMM's epilogue was throttled on the store queue). All 32 lanes must call it.
 __device__ __forceinline__ uint4 quad_transpose(const u32 (&w)[4], int lane) {
   const bool b = lane & 1, h = lane & 2;
-  const u32 s0 = __shfl_xor_sync(0xffffffffu, b ? w[0] : w[1], 1), s1 = __shfl_xor_sync(0xffffffffu, b ? w[2] : w[3], 1);
+  const u32 s0 = __shfl_xor_sync(0xffffffffu, b ? w[0] : w[1], 1);
+  const u32 s1 = __shfl_xor_sync(0xffffffffu, b ? w[2] : w[3], 1);
   // Columns 4 h .. + 3 of groups b (c0) and 2 + b (c1).
   const u32 c0lo = b ? s0 : w[0], c0hi = b ? w[1] : s0, c1lo = b ? s1 : w[2], c1hi = b ? w[3] : s1;
-  const u32 r_lo = __shfl_xor_sync(0xffffffffu, h ? c0lo : c1lo, 2), r_hi = __shfl_xor_sync(0xffffffffu, h ? c0hi : c1hi, 2);
+  const u32 r_lo = __shfl_xor_sync(0xffffffffu, h ? c0lo : c1lo, 2);
+  const u32 r_hi = __shfl_xor_sync(0xffffffffu, h ? c0hi : c1hi, 2);
   return h ? make_uint4(r_lo, r_hi, c1lo, c1hi) : make_uint4(c0lo, c0hi, r_lo, r_hi);
 }
 
@@ -766,7 +768,8 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
     fence_proxy_async();
     __syncthreads();  // B of stage s + 1 complete
     if (++kt < KT) continue;
-    // Epilogue of tile `tile`: acc[4 j + v] is row m_lo + 8 (v >> 1), column 8 j + 2 (lane & 3) + (v & 1) of the slice.
+    // Epilogue of tile `tile`: acc[4 j + v] is row m_lo + 8 (v >> 1), column 8 j + 2 (lane & 3) + (v & 1) of the
+    // slice.
     wg_wait<0>();
     wg_pin(acc);
     // Each quad's row: groups of 4 x 8 columns, transposed across the quad into one 16-byte store per lane (lane q
