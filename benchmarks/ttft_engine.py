@@ -7,7 +7,13 @@ until its first token comes out; p50, min and max over ``--requests`` of them, a
 request's host functions (cProfile, by own time) and device kernels (torch.profiler) are printed as well.
 ``benchmarks/serve_load.py --workload shared-prefix`` measures the same requests served over HTTP.
 
+``--model k2-shard`` runs the same requests on one TP8 shard of Kimi K2 at real dimensions (``k2_step.py``'s
+random-weight shard, ``--layers`` of them; plain decoding, since no drafter exists for it): a random ``--prefix-tokens``
+id sequence shared by every prompt, then 32 ids of its own. There the uncached prompt's prefill is GPU work
+(~100 ms at 2k tokens), as on any large model, where on SmolLM2 it is ~2 ms of GPU and the rest host time.
+
     python benchmarks/ttft_engine.py --profile
+    python benchmarks/ttft_engine.py --model k2-shard
 """
 from __future__ import annotations
 
@@ -25,14 +31,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serve_load import words  # noqa: E402
 from kdray import LLM, SamplingParams  # noqa: E402
+from kdray.model.loader import LoadedTarget  # noqa: E402
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", help="a model name or path, or k2-shard")
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="the shared system prompt's length")
     ap.add_argument("--requests", type=int, default=11, help="cached requests timed (after the first)")
     ap.add_argument("--profile", action="store_true", help="profile one more cached request")
+    ap.add_argument("--layers", type=int, default=61, help="k2-shard: decoder layers")
     return ap.parse_args(argv)
 
 
@@ -69,16 +77,40 @@ def profile(engine, ids: list[int]):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
+def k2_shard(layers: int) -> LoadedTarget:
+    """``k2_step.py``'s random-weight TP8 shard of K2, as a loaded target (no tokenizer)."""
+    from benchmarks.k2_step import random_shard, shard_config
+
+    cfg = shard_config(layers)
+    return LoadedTarget(random_shard(cfg), cfg, None, f"k2-shard-{layers}")
+
+
+def chat_prompts(tok, n: int, prefix_tokens: int) -> list[list[int]]:
+    """``n`` chat prompts: the same system prompt of ~``prefix_tokens`` tokens, then a question of their own."""
+    system = words(prefix_tokens)
+    return [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                {"role": "user", "content": f"Question {i}: what does item {i} mean?"}]))
+            for i in range(n)]
+
+
+def id_prompts(vocab: int, n: int, prefix_tokens: int) -> list[list[int]]:
+    """``n`` prompts of random ids: the same ``prefix_tokens`` first, then 32 of their own."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(vocab, (prefix_tokens,), generator=g).tolist()
+    return [prefix + torch.randint(vocab, (32,), generator=g).tolist() for _ in range(n)]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    system = words(args.prefix_tokens)
+    target = k2_shard(args.layers) if args.model == "k2-shard" else None
     for caching in (True, False):
-        llm = LLM(model=args.model, prefix_caching=caching)
-        tok = llm.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
-                                                       {"role": "user", "content": f"Question {i}: what does item {i} "
-                                                                                   "mean?"}]))
-                   for i in range(args.requests + 2)]
+        if target is None:
+            llm = LLM(model=args.model, prefix_caching=caching)
+            prompts = chat_prompts(llm.tokenizer, args.requests + 2, args.prefix_tokens)
+        else:  # the ~65 GB shard is built once; each engine leaves room for a context of the prompts' size
+            llm = LLM(model=target, spec="ar", prefix_caching=caching, max_num_seqs=4,
+                      max_model_len=args.prefix_tokens + 256)
+            prompts = id_prompts(target.config.vocab_size, args.requests + 2, args.prefix_tokens)
         first, _ = ttft(llm.engine, prompts[0])
         runs = [ttft(llm.engine, p) for p in prompts[1:args.requests + 1]]
         ms = sorted(1e3 * t for t, _ in runs)

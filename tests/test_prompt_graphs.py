@@ -21,7 +21,8 @@ def runner(request, tmp_path_factory):
         model = str(tmp_path_factory.mktemp("llama"))
         make_tiny(model, tied=False, llama3=False)
     # a drafter, so the target's context features are computed too
-    llm = LLM(model=model, spec="ddtree", drafter="random", block_size=4, budget=8, max_num_seqs=2, num_pages=64)
+    llm = LLM(model=model, device="cpu", dtype="float32", spec="ddtree", drafter="random", block_size=4, budget=8,
+              max_num_seqs=2, num_pages=64)  # on the CPU on a GPU machine too: fp32 tolerances
     return llm.engine.runner
 
 

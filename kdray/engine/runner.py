@@ -5,7 +5,7 @@ sampling settings, each slot's bonus token and cached length). A step reads its 
 it on the device, so the next step needs nothing from the host but the list of slots: the host reads a
 step's tokens back while the next one runs. AR, chain and DDTree are the same step with different trees:
 the root alone, a single path, or the best-first tree. In-process one runner does all of it
-(:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs; a lone prompt chunk of up to 512 tokens
+(:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs; a lone prompt chunk of up to 2048 tokens
 is prefilled from a graph too, since an eager pass of a short chunk costs more host time than device time); on
 Ray a shard's runner verifies, accepts and commits, and the drafter actor's runner drafts and builds (see
 :mod:`kdray.actors`), calling the same stage methods.
@@ -36,7 +36,7 @@ from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts a lone prompt chunk's graphed forward is padded to
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token counts a lone prompt chunk's graphed forward is padded to
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}  # of the slot state
 
 
