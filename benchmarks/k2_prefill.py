@@ -1,4 +1,6 @@
-"""Prefill of one TP8 shard of Kimi K2 at real dimensions (eager, as the engine runs prefill), against its floor.
+"""Prefill of one TP8 shard of Kimi K2 at real dimensions, eager, against its floor. The engine runs prefill this way
+except for a lone prompt chunk of up to 2048 tokens, which it replays from a CUDA graph (its time to first token:
+``benchmarks/ttft_engine.py --model k2-shard``).
 
     python -m benchmarks.k2_prefill [--layers 61] [--prompts 1024 4096 16384 65536 8x2048] [--md FILE]
     python -m benchmarks.k2_prefill --model smollm2-135m --prompts 1024 4096 8192 8x1024
