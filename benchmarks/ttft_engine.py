@@ -9,8 +9,8 @@ request's host functions (cProfile, by own time) and device kernels (torch.profi
 
 ``--model k2-shard`` runs the same requests on one TP8 shard of Kimi K2 at real dimensions (``k2_step.py``'s
 random-weight shard, ``--layers`` of them; plain decoding, since no drafter exists for it): a random ``--prefix-tokens``
-id sequence shared by every prompt, then 32 ids of its own. There the uncached prompt's prefill is GPU work
-(~100 ms at 2k tokens), as on any large model, where on SmolLM2 it is ~2 ms of GPU and the rest host time.
+id sequence shared by every prompt, then 32 ids of its own. There an uncached 2k-token prompt's prefill is ~90 ms of
+GPU work, as on any large model, where on SmolLM2 it is a few milliseconds.
 
     python benchmarks/ttft_engine.py --profile
     python benchmarks/ttft_engine.py --model k2-shard
