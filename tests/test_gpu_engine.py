@@ -49,15 +49,16 @@ def test_bf16_ddtree_with_cuda_graphs_equals_ar():
 @pytest.mark.parametrize("spec", ["ar", "ddtree"])
 def test_prefill_replayed_from_graphs_equals_eager(spec):
     """Requests one at a time: each prompt is a lone chunk, prefilled from a graph padded to its bucket, the later
-    ones after their cached shared prefix (the verify form); a 600-token prompt and one after the cached prefix,
-    admitted together, are prefilled in one eager pass. fp32: the same tokens and drafter context as the engine
-    without graphs."""
+    ones after their cached shared prefix (the verify form), up to 600 tokens (the 1024 bucket, both forms); a
+    600-token prompt and one after the cached prefix, admitted together, are prefilled in one eager pass. fp32: the
+    same tokens and drafter context as the engine without graphs."""
     kw = dict(model="k2-tiny", device="cuda", dtype="float32", spec=spec, max_num_seqs=4, num_pages=128)
     if spec == "ddtree":
         kw.update(drafter="random", budget=16, block_size=4)
     system = torch.randint(2, 1000, (40,), generator=GEN).tolist()  # two full pages, cached after the first
-    prompts = [system + [50 + i] * (1 + 7 * i) for i in range(4)]
-    pair = [torch.randint(2, 1000, (600,), generator=GEN).tolist(), system + [7] * 9]
+    long = torch.randint(2, 1000, (600,), generator=GEN).tolist()
+    prompts = [long] + [system + [50 + i] * (1 + 7 * i) for i in range(4)] + [system + long]
+    pair = [long[::-1], system + [7] * 9]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     results, draft_kv = [], []
     for graphs in (True, False):
