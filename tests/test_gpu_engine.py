@@ -49,7 +49,7 @@ def test_bf16_ddtree_with_cuda_graphs_equals_ar():
 @pytest.mark.parametrize("spec", ["ar", "ddtree"])
 def test_prefill_replayed_from_graphs_equals_eager(spec):
     """Requests one at a time: each prompt is a lone chunk, prefilled from a graph padded to its bucket, the later
-    ones after their cached shared prefix (the verify form), up to 600 tokens (the 1024 bucket, both forms); a
+    ones after their cached shared prefix (the verify form), up to 600 tokens (the 768 bucket, both forms); a
     600-token prompt and one after the cached prefix, admitted together, are prefilled in one eager pass. fp32: the
     same tokens and drafter context as the engine without graphs."""
     kw = dict(model="k2-tiny", device="cuda", dtype="float32", spec=spec, max_num_seqs=4, num_pages=128)

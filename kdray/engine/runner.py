@@ -36,7 +36,7 @@ from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token counts a lone prompt chunk's graphed forward is padded to
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # token counts a lone prompt chunk's graphed forward is padded to
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}  # of the slot state
 
 
