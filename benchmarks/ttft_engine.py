@@ -88,9 +88,9 @@ def k2_shard(layers: int) -> LoadedTarget:
 def chat_prompts(tok, n: int, prefix_tokens: int) -> list[list[int]]:
     """``n`` chat prompts: the same system prompt of ~``prefix_tokens`` tokens, then a question of their own."""
     system = words(prefix_tokens)
-    return [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
-                                                {"role": "user", "content": f"Question {i}: what does item {i} mean?"}]))
-            for i in range(n)]
+    chats = [[{"role": "system", "content": system},
+              {"role": "user", "content": f"Question {i}: what does item {i} mean?"}] for i in range(n)]
+    return [tok.encode(tok.apply_chat_template(chat)) for chat in chats]
 
 
 def id_prompts(vocab: int, n: int, prefix_tokens: int) -> list[list[int]]:

@@ -36,7 +36,9 @@ from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # token counts a lone prompt chunk's graphed forward is padded to
+# Token counts a lone prompt chunk's graphed forward is padded to. Past 512 no chunk is padded by more than half: on K2
+# a 1-2k-token pass is mostly GPU time, and 1108 tokens padded to 2048 lost to the eager pass (H200, K2 TP8 shard).
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}  # of the slot state
 
 
