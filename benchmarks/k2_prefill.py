@@ -1,6 +1,7 @@
-"""Prefill of one TP8 shard of Kimi K2 at real dimensions, eager, against its floor. The engine runs prefill this way
-except for a lone prompt chunk of up to 2048 tokens, which it replays from a CUDA graph (its time to first token:
-``benchmarks/ttft_engine.py --model k2-shard``).
+"""Prefill of one TP8 shard of Kimi K2 at real dimensions, eager and from a CUDA graph, against its floor.
+
+The engine runs prefill eagerly except for a lone prompt chunk of up to 2048 tokens, which it replays from a CUDA
+graph (its time to first token: ``benchmarks/ttft_engine.py --model k2-shard``).
 
     python -m benchmarks.k2_prefill [--layers 61] [--prompts 1024 4096 16384 65536 8x2048] [--md FILE]
     python -m benchmarks.k2_prefill --model smollm2-135m --prompts 1024 4096 8192 8x1024
@@ -14,12 +15,15 @@ whose first P tokens are in the prefix cache: N new tokens attending to the cach
 after cached tokens: the verify pass with a causal mask); compare it with the cell ``P+N``'s whole prompt, ``P+N``
 tokens uncached.
 
-Columns: time (median of 3 eager passes after a warm-up); compute floor = FLOPs / the bf16 GEMM rate measured in the
+Columns: time (median of 3 eager passes after a warm-up); the same pass replayed from a CUDA graph (median of 3; "-"
+where it cannot be captured), its GPU time without the host's launches, which the eager pass waits for at up to a few
+thousand tokens on a slow host; compute floor = FLOPs / the bf16 GEMM rate measured in the
 same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the shared
 experts, the router; not the embedding, and the vocabulary projection for the last tokens only) + 2 x tokens x 8
 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x (qk + v head dims: 192 +
 128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached prefix, the absorbed form's
-2 x heads x (576 + 512) per query and visible key); the ratio; prompt tokens per second; and the GPU time by kind
+2 x heads x (576 + 512) per query and visible key); the ratios of both times to it; prompt tokens per second (eager);
+and the GPU time by kind
 (attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
 table.
 """
@@ -47,8 +51,8 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                max_position_embeddings=8192, tie_word_embeddings=True)
 TARGETS = {1024: 3.0}  # time / floor of issue 21; 4096 tokens and beyond: 2.0
-HEADER = ["prompts", "tokens", "time ms", "floor ms", "time / floor", "target", "prompt tok/s",
-          "attention / experts / GEMM / rest ms"]
+HEADER = ["prompts", "tokens", "time ms", "graphed ms", "floor ms", "time / floor", "graphed / floor", "target",
+          "prompt tok/s", "attention / experts / GEMM / rest ms"]
 KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tree_attn")),
          ("experts", ("w4a16", "moe")),
          ("GEMM", ("gemm", "sm90", "cutlass", "cublas", "nvjet", "xmma", "splitk")))
@@ -115,6 +119,37 @@ def gpu_time_by_kind(run) -> tuple[dict[str, float], str]:
     return kinds, ", ".join(f"{n[:60]} {ms:.1f} ms" for n, ms in top)
 
 
+def median_ms(run, n: int = 3) -> float:
+    """Median of ``n`` timed calls of ``run`` (CUDA events)."""
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graphed_ms(run) -> float | None:
+    """Median time of ``run`` replayed from a CUDA graph, or None (printed why) where it cannot be captured."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()  # warm
+        t = median_ms(graph.replay)
+        del graph
+        return t
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        print(f"# not captured: {str(e).splitlines()[0]}", flush=True)
+        return None
+
+
 def measure(model, ceil: Ceilings, cell: str) -> list[str]:
     B, P, N = parse_cell(cell)
     batch, kv = prefill_batch(model, B, P, N)
@@ -126,21 +161,15 @@ def measure(model, ceil: Ceilings, cell: str) -> list[str]:
 
     with torch.no_grad():
         run()  # kernels compiled, allocator warm
-        times = []
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        t = median_ms(run)
         kinds, top = gpu_time_by_kind(run)
-    t = statistics.median(times)
+        tg = graphed_ms(run)
     floor = prefill_flops(model, B, P, N) / ceil.bf16_flop_per_s * 1e3
     k2 = isinstance(model.cfg, K2Config)  # the targets are issue 21's, for the K2 shard
     target = None if P or not k2 else TARGETS.get(N, 2.0 if N >= 4096 else None)
-    print(f"# {cell}: {t:.1f} ms (floor {floor:.1f}); largest kernels: {top}", flush=True)
-    return [cell, str(B * N), f"{t:.1f}", f"{floor:.1f}", f"{t / floor:.2f}x", f"<= {target}x" if target else "-",
+    print(f"# {cell}: {t:.1f} ms, graphed {tg or 0:.1f} ms (floor {floor:.1f}); largest kernels: {top}", flush=True)
+    return [cell, str(B * N), f"{t:.1f}", f"{tg:.1f}" if tg else "-", f"{floor:.1f}", f"{t / floor:.2f}x",
+            f"{tg / floor:.2f}x" if tg else "-", f"<= {target}x" if target else "-",
             f"{B * N / t * 1e3:.0f}", " / ".join(f"{kinds[k]:.0f}" for k in ("attention", "experts", "GEMM", "rest"))]
 
 
@@ -172,7 +201,7 @@ def main():
         except torch.OutOfMemoryError as e:
             print(f"# {cell}: out of memory ({str(e).splitlines()[0]})", flush=True)
             B, _, N = parse_cell(cell)
-            rows.append([cell, str(B * N), "OOM"] + ["-"] * 5)
+            rows.append([cell, str(B * N), "OOM"] + ["-"] * 7)
         gc.collect()
         torch.cuda.empty_cache()
     table = print_table(rows, HEADER)

@@ -27,12 +27,15 @@ Three families of GEMM kernels: with few rows per expert (decode and small verif
 (passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
 rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
 staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
-``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``: 64- or 128-row passes, N tiles
-of 256 weight rows, 64 k per stage; the INT4 tile is dequantized once per pass into bf16 shared memory and both
-wgmma operands come from shared memory). The wgmma family reads x and h in natural k order (no permuted x; the
-prep only sorts), writes each (token, slot)'s weighted output row in bf16 and sums a token's rows in slot order
-(``moe_finalize_slots``): its results are the same bits on every call. It runs batches of more than
-``WG_CHUNK_TOKENS`` tokens in chunks.
+``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``: 64- or 128-row passes). Its
+down GEMM streams N tiles of 256 weight rows, 64 k per stage, the INT4 tile dequantized once per pass into bf16
+shared memory, both wgmma operands from shared memory, h read in natural k order; it writes each (token, slot)'s
+weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results are the same
+bits on every call. Its gate/up GEMM is either the same design over x (``wg64``, ``wg128``) or swapped
+(``moe_up_rs``; ``rs64``, ``rs128``, the ones chosen): the weights are wgmma's A operand, dequantized into registers,
+and the pass's rows of x (permuted by the prep into the tile path's k order) its N columns, N the rows rounded up to
+32 rather than to the 64 or 128 of a pass. The family runs batches of more than ``WG_CHUNK_TOKENS`` tokens in
+chunks.
 
 Expert layouts: compressed-tensors (``[E, N, K/8]`` int32 and ``[E, N, K/32]`` scales, as loaded) or the tiled
 layout of :func:`repack_int4_experts` (``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]``: one K tile of an N tile's rows is
@@ -61,18 +64,22 @@ SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
-# Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> warpgroups along M (rows per
-# pass = 64 * that); N tiles of WG_BN weight rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg).
-WGMMA_VARIANTS = {"wg64": 1, "wg128": 2}
+# Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> (warpgroups along M of the down
+# GEMM, rows per pass = 64 * that; whether the gate/up GEMM is the swapped one, moe_up_rs); N tiles of WG_BN weight
+# rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg), RS_SMEM for moe_up_rs.
+WGMMA_VARIANTS = {"wg64": (1, False), "wg128": (2, False), "rs64": (1, True), "rs128": (2, True)}
+# moe_up_rs: four warpgroups; 4 stages of x (128 rows x 128 k) and 4 of weights (40 bytes per thread): 214016 bytes
+RS_THREADS, RS_SMEM = 512, 1024 + 4 * 2 * 128 * 128 + 4 * 512 * 40
 WG_BN, WG_THREADS = 256, 256
 WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 171008, 194560 bytes
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
 WG_RES_K = 256
 WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
-# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. H200 sweep, K2 TP8, 384
-# experts (`python benchmarks/bench_moe.py`): 21 per expert (T=1024) m32n2 774 us < wg64 1017; 43 (T=2080) wg64 1126
-# < wg128 1275 < m64n2 1307; 85 (T=4096) wg128 1576 < wg64 2245 < m32n2 2430.
-WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 32, 64
+# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. H200, K2 TP8, 384 experts,
+# the MoE's kernels per call (2026-12-02; results/moe-up-rs-2026-12-02-h200.txt): 21 per expert (T=1024) rs64 716 us
+# < m32n2 747; 43 (T=2080) rs64 852 < wg64 999; 85 (T=4096) rs128 1189 < wg128 1341 < rs64 1646; 341 (T=16384)
+# rs128 3904 < wg128 4169. Earlier (`python benchmarks/bench_moe.py`): 43, wg64 1126 < wg128 1275 < m64n2 1307.
+WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 20, 64
 # The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
 # launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
 WG_CHUNK_TOKENS = 16384
@@ -291,7 +298,7 @@ def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> 
     """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards).
     ``wgmma``: the wgmma family can run (Hopper, tiled experts, H % 256 == 0, I % 128 == 0)."""
     if wgmma and slots >= WGMMA_MIN_ROWS_PER_EXPERT * E:
-        return "wg128" if slots >= WG128_MIN_ROWS_PER_EXPERT * E else "wg64"
+        return "rs128" if slots >= WG128_MIN_ROWS_PER_EXPERT * E else "rs64"
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
@@ -412,7 +419,7 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     dev, i32 = x.device, np.int32
     T = x.shape[0]
     slots = T * k
-    wgm = WGMMA_VARIANTS[variant]
+    wgm, swapped = WGMMA_VARIANTS[variant]
     mt = 64 * wgm
     max_passes = min(E, slots) + slots // mt
     if max_passes > 65535:  # the grid's y dimension
@@ -422,26 +429,36 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)
     h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
     y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # slots of skipped ids stay unwritten (and unread)
-    prep = (x, 0, 0, sorted_slot, passes)  # no permuted x, no fp32 accumulator: block 0 only
+    # The swapped gate/up GEMM reads x in the tile path's k order ([T, H], H % 256 == 0: no padding); the prep's
+    # other blocks write it. The other wgmma kernels read x and h as they are: block 0 only.
+    x_perm = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if swapped else None
+    perm_blocks = min(4 * sms, math.ceil(T * H // 8 / 1024)) if swapped else 0
+    prep = (x, 0 if x_perm is None else x_perm, 0, sorted_slot, passes)  # no fp32 accumulator
     if routing is None:
-        launch("w4a16_moe", "moe_prep", (1,), (1024,), (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)),
-               shared_mem=8 * E, device=dev)
+        launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
+               (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=dev)
     else:
         args, defines, group_scratch = routing
-        launch("moe_route", "moe_route_prep", (1,), (1024,), (*args, *prep, i32(H), i32(mt)),
+        launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
                shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
     busy = min(E, slots)
-    n_up = I // 128  # tiles of 128 gate + 128 up rows over K = H
-    tpb = _tiles_per_block(n_up, H // 64, busy, sms)
-    launch("w4a16_moe", f"moe_up_{variant}", (math.ceil(n_up / tpb), max_passes), (WG_THREADS,),
-           (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
-           shared_mem=WG_SMEM[wgm], device=dev)
+    if swapped:  # a block per 128 outputs of h and pass
+        launch("w4a16_moe", "moe_up_rs", (I // 128, max_passes), (RS_THREADS,),
+               (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I)), shared_mem=RS_SMEM,
+               device=dev)
+    else:
+        n_up = I // 128  # tiles of 128 gate + 128 up rows over K = H
+        tpb = _tiles_per_block(n_up, H // 64, busy, sms)
+        launch("w4a16_moe", f"moe_up_{variant}", (math.ceil(n_up / tpb), max_passes), (WG_THREADS,),
+               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
+               shared_mem=WG_SMEM[wgm], device=dev)
+    down = f"wg{mt}"  # the down GEMM of the pass size
     n_down = H // WG_BN  # tiles of 256 output rows over K = I
     res = I <= WG_RES_K  # h rows resident in shared memory across the block's N tiles
     # resident rows pay their load once per block: ~64 stages each (H200, K2 TP8: 8% less time at 2080 tokens, 2-4%
     # at 4096, the same at 16,384)
     tpb = _tiles_per_block(n_down, I // 64, busy, sms, stages=64 if res else 32)
-    launch("w4a16_moe", f"moe_down_{variant}" + ("_res" if res else ""), (math.ceil(n_down / tpb), max_passes),
+    launch("w4a16_moe", f"moe_down_{down}" + ("_res" if res else ""), (math.ceil(n_down / tpb), max_passes),
            (WG_THREADS,), (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I),
                            i32(n_down), i32(tpb)), shared_mem=(WG_SMEM_RES if res else WG_SMEM)[wgm], device=dev)
     n8 = T * H // 8

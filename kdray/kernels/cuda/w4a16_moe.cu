@@ -845,6 +845,165 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
 MOE_WGMMA(wg64, 1)   // 64-row passes: both warpgroups on the same rows, 128 columns each
 MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns each
 
+// Swapped gate/up GEMM (moe_up_rs; sm_90a): the wgmma family's up GEMM transposed, for passes of up to RS_MT rows.
+// The weights are wgmma's A operand, dequantized from 16-byte global loads straight into registers in the tile
+// path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage);
+// the pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns, N = rows rounded up to 32,
+// staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. The block owns 128
+// outputs of h: warp w the 8 outputs o = 128 blockIdx.x + 8 w + g, as A rows g (gate) and g + 8 (up), so each thread
+// holds gate and up of its output for the same tokens. Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its
+// two weight rows (one scale each), copied 3 chunks ahead; word q of that piece feeds k16 steps 2q and 2q + 1. h (natural
+// k order, the wgmma down GEMM's input) goes out through shared memory, 16 bytes per store.
+// Launch: grid (I / 128, max_passes), block RS_THREADS, shared RS_SMEM bytes; H % 256 == 0, I % 128 == 0.
+#define RS_MT 128                      // rows per pass
+#define RS_THREADS 512                 // four warpgroups, 64 weight rows each
+#define RS_STAGES 4                    // chunks of x: the one in use, the one its last wgmma may read, 2 ahead
+#define RS_HALF (RS_MT * 128)          // one 64-k half of a chunk: [RS_MT rows][128 B]
+#define RS_WSTAGES 4                   // chunks of weights in flight per thread: the one in use and 3 ahead
+#define RS_WSTAGE (RS_THREADS * 40)    // per thread: gate and up pieces (16 B each), their scale pairs (4 B each)
+#define RS_SMEM (1024 + RS_STAGES * 2 * RS_HALF + RS_WSTAGES * RS_WSTAGE)
+#define RS_H_PITCH 136                 // bf16 per row of the epilogue's h tile (128 outputs + 8: fewer bank conflicts)
+static_assert(RS_MT * RS_H_PITCH * 2 <= RS_STAGES * 2 * RS_HALF, "the epilogue's h tile reuses the stages");
+
+template <int NP>
+__device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__ x_perm,
+                                               const int* __restrict__ w13_packed,
+                                               const __nv_bfloat16* __restrict__ w13_scale,
+                                               const int* __restrict__ sorted_slot, int e, int row0, int rows,
+                                               __nv_bfloat16* __restrict__ h, int k, int H, int I) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int B_PER = NP * 16 / RS_THREADS;  // 16-byte pieces of x per thread and chunk
+  extern __shared__ unsigned char wg_smem[];
+  const u32 base = (smem_u32(wg_smem) + 1023) & ~1023u;
+  unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int n_chunks = H / 128, N2 = 2 * I;
+
+  // x: piece tid & 15 of the 256-byte chunk of rows (tid >> 4) + 32 i.
+  int b_off[B_PER];
+#pragma unroll
+  for (int i = 0; i < B_PER; ++i) {
+    const int r = (tid >> 4) + 32 * i;
+    b_off[i] = r < rows ? (sorted_slot[row0 + r] / k) * H + 8 * (tid & 15) : -1;
+  }
+  const int piece = tid & 15;
+  const u32 b_dst = (piece >> 3) * RS_HALF + (tid >> 4) * 128 + (((piece & 7) ^ ((tid >> 4) & 7)) << 4);
+  auto load_x = [&](int ch) {
+    if (ch >= n_chunks) return;
+    const u32 st = base + (ch % RS_STAGES) * 2 * RS_HALF + b_dst;
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i)
+      if (b_off[i] >= 0) cp_async16(st + 32 * 128 * i, x_perm + b_off[i] + 128 * ch, true);
+  };
+
+  // Weights: gate row o and up row I + o of the tiled w13 ([E][H/64][2I][8 words]); chunk ch is K tiles 2 ch and
+  // 2 ch + 1, the lane's piece is half c & 1 of K tile 2 ch + (c >> 1). Offsets in uint4 and in scales alike. Each
+  // thread copies its own two pieces and scale pairs into its slots of the weight ring, RS_AHEAD chunks ahead, and
+  // reads them back itself (no barrier needed for them).
+  const int o = 128 * blockIdx.x + 8 * warp + g;
+  const size_t row = ((size_t)e * (H / 64) + (c >> 1)) * N2 + o, at = row * 2 + (c & 1);
+  const size_t step = (size_t)4 * N2, up = (size_t)2 * I;
+  const uint4* w_src = reinterpret_cast<const uint4*>(w13_packed) + at;
+  const __nv_bfloat16* s_src = w13_scale + (at & ~(size_t)1);  // the row's scale pair, 4-byte aligned
+  const u32 w_base = base + RS_STAGES * 2 * RS_HALF;
+  auto load_w = [&](int ch) {
+    if (ch >= n_chunks) return;
+    const u32 st = w_base + (ch % RS_WSTAGES) * RS_WSTAGE;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      cp_async16(st + u * RS_THREADS * 16 + tid * 16, w_src + ch * step + u * up, true);
+      cp_async4(st + 2 * RS_THREADS * 16 + u * RS_THREADS * 4 + tid * 4, s_src + ch * step + u * up, true);
+    }
+  };
+
+  float acc[NP / 2];
+#pragma unroll
+  for (int i = 0; i < NP / 2; ++i) acc[i] = 0.f;
+  // Copy groups, oldest first: the prologue's W0 X0 W1 X1 W2, then X(ch + 2) W(ch + 3) per chunk ch. Chunk ch waits
+  // for X(ch) (three groups younger than it may stay in flight), and the barrier also frees the x stage of chunk
+  // ch - 2 (only chunk ch - 1's last wgmma may still run); then 8 k16 steps, each retiring the step before (its A
+  // registers are rewritten next).
+  load_w(0);
+  cp_async_commit();
+  load_x(0);
+  cp_async_commit();
+  load_w(1);
+  cp_async_commit();
+  load_x(1);
+  cp_async_commit();
+  load_w(2);
+  cp_async_commit();
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    cp_async_wait<3>();
+    fence_proxy_async();
+    __syncthreads();
+    load_x(ch + 2);
+    cp_async_commit();
+    load_w(ch + 3);
+    cp_async_commit();
+    const u32 st = base + (ch % RS_STAGES) * 2 * RS_HALF;
+    const unsigned char* wst = sbase + RS_STAGES * 2 * RS_HALF + (ch % RS_WSTAGES) * RS_WSTAGE;
+    uint4 wv[2];
+    __nv_bfloat162 sv[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      wv[u] = *reinterpret_cast<const uint4*>(wst + u * RS_THREADS * 16 + tid * 16);
+      sv[u] = __bfloat162bfloat162(
+          reinterpret_cast<const __nv_bfloat16*>(wst + 2 * RS_THREADS * 16 + u * RS_THREADS * 4 + tid * 4)[c & 1]);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      u32 dg[4], du[4];
+      dequant_word(q == 0 ? wv[0].x : q == 1 ? wv[0].y : q == 2 ? wv[0].z : wv[0].w, sv[0], dg);
+      dequant_word(q == 0 ? wv[1].x : q == 1 ? wv[1].y : q == 2 ? wv[1].z : wv[1].w, sv[1], du);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {  // k16 step 2q + j: rows g (gate) and g + 8 (up), k slots 2c.. and 2c + 8..
+        const int s = 2 * q + j;
+        const u32 a[4] = {dg[2 * j], du[2 * j], dg[2 * j + 1], du[2 * j + 1]};
+        wg_fence();
+        wgmma_rs<0>(acc, a, wg_desc(st + (s >> 2) * RS_HALF + 32 * (s & 3), 16, 1024));
+        wg_commit();
+        wg_wait<1>();
+      }
+    }
+  }
+  wg_wait<0>();
+  cp_async_wait<0>();
+  __syncthreads();  // every warpgroup's wgmmas are done with the stages: the h tile takes their place
+
+  // acc[4 j + v]: row g + 8 (v >> 1) of the warp's 16 (gate, then up), token 8 j + 2 c + (v & 1).
+  __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(sbase);  // [NP tokens][RS_H_PITCH]
+#pragma unroll
+  for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const float gt = acc[4 * j + v], u = acc[4 * j + 2 + v];
+      tile[(8 * j + 2 * c + v) * RS_H_PITCH + 8 * warp + g] = __float2bfloat16_rn(gt / (1.f + __expf(-gt)) * u);
+    }
+  __syncthreads();
+  for (int i = tid; i < rows * 16; i += RS_THREADS) {
+    const int r = i >> 4, p = i & 15;
+    *reinterpret_cast<uint4*>(h + (size_t)(row0 + r) * I + 128 * blockIdx.x + 8 * p) =
+        *reinterpret_cast<const uint4*>(tile + r * RS_H_PITCH + 8 * p);
+  }
+#else
+  __trap();
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
+    const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot,
+    const int4* passes, __nv_bfloat16* h, int k, int H, int I) {
+  if (blockIdx.y >= passes[0].x) return;
+  const int4 pass = passes[1 + blockIdx.y];
+  switch ((pass.z + 31) >> 5) {  // N: the pass's rows rounded up to 32
+    case 1: moe_up_rs_pass<32>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I); break;
+    case 2: moe_up_rs_pass<64>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I); break;
+    case 3: moe_up_rs_pass<96>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I); break;
+    default: moe_up_rs_pass<128>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I);
+  }
+}
+
 // out[t] = bf16(sum over valid slots j in order of y[t k + j]) (+ add, rounded as in moe_finalize); ids < 0 or >= E
 // are skipped. 8 outputs per thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.
 extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const long long* __restrict__ ids,
