@@ -68,17 +68,20 @@ PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 T
 # GEMM, rows per pass = 64 * that; whether the gate/up GEMM is the swapped one, moe_up_rs); N tiles of WG_BN weight
 # rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg), RS_SMEM for moe_up_rs.
 WGMMA_VARIANTS = {"wg64": (1, False), "wg128": (2, False), "rs64": (1, True), "rs128": (2, True)}
-# moe_up_rs: four warpgroups; 4 stages of x (128 rows x 128 k) and 4 of weights (40 bytes per thread): 214016 bytes
+# moe_up_rs: four warpgroups; 4 stages of x (128 rows x 128 k) and 4 of weights (40 bytes per thread): 214016 bytes.
+# moe_down_rs (its partner for I <= RSD_MAX_I, else the wgmma down GEMM): the pass's h rows (128 x RSD_MAX_I), 3
+# stages of weights (80 bytes per thread), the rows' slots and weights: 190464 bytes.
 RS_THREADS, RS_SMEM = 512, 1024 + 4 * 2 * 128 * 128 + 4 * 512 * 40
+RSD_MAX_I, RSD_SMEM = 256, 1024 + 128 * 256 * 2 + 3 * 512 * 80 + 128 * 8
 WG_BN, WG_THREADS = 256, 256
 WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 171008, 194560 bytes
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
 WG_RES_K = 256
 WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
 # Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. H200, K2 TP8, 384 experts,
-# the MoE's kernels per call (2026-12-02; results/moe-up-rs-2026-12-02-h200.txt): 21 per expert (T=1024) rs64 716 us
-# < m32n2 747; 43 (T=2080) rs64 852 < wg64 999; 85 (T=4096) rs128 1189 < wg128 1341 < rs64 1646; 341 (T=16384)
-# rs128 3904 < wg128 4169. Earlier (`python benchmarks/bench_moe.py`): 43, wg64 1126 < wg128 1275 < m64n2 1307.
+# the MoE's kernels per call (2026-12-02; results/moe-rs-2026-12-02-h200.txt): 21 per expert (T=1024) rs64 644 us
+# < m32n2 741; 43 (T=2080) rs64 831 < wg64 994; 85 (T=4096) rs128 1154 < wg128 1332 (rs64 1582, moe-up-rs-*.txt: its
+# passes of 64 rows read the weights twice); 341 (T=16384) rs128 3913 < wg128 4163.
 WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 20, 64
 # The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
 # launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
@@ -442,25 +445,30 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
         launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
                shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
     busy = min(E, slots)
+    swapped_down = swapped and I <= RSD_MAX_I  # reads h in the logical k order moe_up_rs then writes
     if swapped:  # a block per 128 outputs of h and pass
         launch("w4a16_moe", "moe_up_rs", (I // 128, max_passes), (RS_THREADS,),
-               (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I)), shared_mem=RS_SMEM,
-               device=dev)
+               (x_perm, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(swapped_down)),
+               shared_mem=RS_SMEM, device=dev)
     else:
         n_up = I // 128  # tiles of 128 gate + 128 up rows over K = H
         tpb = _tiles_per_block(n_up, H // 64, busy, sms)
         launch("w4a16_moe", f"moe_up_{variant}", (math.ceil(n_up / tpb), max_passes), (WG_THREADS,),
                (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(n_up), i32(tpb)),
                shared_mem=WG_SMEM[wgm], device=dev)
-    down = f"wg{mt}"  # the down GEMM of the pass size
     n_down = H // WG_BN  # tiles of 256 output rows over K = I
-    res = I <= WG_RES_K  # h rows resident in shared memory across the block's N tiles
+    res = I <= WG_RES_K  # h rows resident in shared memory across the block's N tiles (always so for moe_down_rs)
     # resident rows pay their load once per block: ~64 stages each (H200, K2 TP8: 8% less time at 2080 tokens, 2-4%
     # at 4096, the same at 16,384)
     tpb = _tiles_per_block(n_down, I // 64, busy, sms, stages=64 if res else 32)
-    launch("w4a16_moe", f"moe_down_{down}" + ("_res" if res else ""), (math.ceil(n_down / tpb), max_passes),
-           (WG_THREADS,), (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I),
-                           i32(n_down), i32(tpb)), shared_mem=(WG_SMEM_RES if res else WG_SMEM)[wgm], device=dev)
+    if swapped_down:
+        name, threads, smem = "moe_down_rs", RS_THREADS, RSD_SMEM
+    else:  # the down GEMM of the pass size
+        name, threads = f"moe_down_wg{mt}" + ("_res" if res else ""), WG_THREADS
+        smem = (WG_SMEM_RES if res else WG_SMEM)[wgm]
+    launch("w4a16_moe", name, (math.ceil(n_down / tpb), max_passes), (threads,),
+           (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I), i32(n_down),
+            i32(tpb)), shared_mem=smem, device=dev)
     n8 = T * H // 8
     launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
            (y, topk_ids, add if add is not None else 0, out, i32(T), i32(H), i32(k), i32(E)), device=dev)

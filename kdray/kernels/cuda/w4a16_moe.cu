@@ -852,8 +852,9 @@ MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns
 // staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. The block owns 128
 // outputs of h: warp w the 8 outputs o = 128 blockIdx.x + 8 w + g, as A rows g (gate) and g + 8 (up), so each thread
 // holds gate and up of its output for the same tokens. Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its
-// two weight rows (one scale each), copied 3 chunks ahead; word q of that piece feeds k16 steps 2q and 2q + 1. h (natural
-// k order, the wgmma down GEMM's input) goes out through shared memory, 16 bytes per store.
+// two weight rows (one scale each), copied 3 chunks ahead; word q of that piece feeds k16 steps 2q and 2q + 1. h
+// (natural k order for the wgmma down GEMM, the logical one for moe_down_rs: h_logical) goes out through shared
+// memory, 16 bytes per store.
 // Launch: grid (I / 128, max_passes), block RS_THREADS, shared RS_SMEM bytes; H % 256 == 0, I % 128 == 0.
 #define RS_MT 128                      // rows per pass
 #define RS_THREADS 512                 // four warpgroups, 64 weight rows each
@@ -865,12 +866,19 @@ MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns
 #define RS_H_PITCH 136                 // bf16 per row of the epilogue's h tile (128 outputs + 8: fewer bank conflicts)
 static_assert(RS_MT * RS_H_PITCH * 2 <= RS_STAGES * 2 * RS_HALF, "the epilogue's h tile reuses the stages");
 
+// Position in a 128-k chunk's logical order (see the top of this file) of its k: the inverse of
+// k = 32 c + 8 (s >> 1) + 2 (s & 1) + h + 4 i at position 16 s + 8 h + 2 c + i.
+__device__ __forceinline__ int logical_pos(int k) {
+  const int c = k >> 5, q = (k >> 3) & 3, i = (k >> 2) & 1, s1 = (k >> 1) & 1, h = k & 1;
+  return 16 * (2 * q + s1) + 8 * h + 2 * c + i;
+}
+
 template <int NP>
 __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__ x_perm,
                                                const int* __restrict__ w13_packed,
                                                const __nv_bfloat16* __restrict__ w13_scale,
                                                const int* __restrict__ sorted_slot, int e, int row0, int rows,
-                                               __nv_bfloat16* __restrict__ h, int k, int H, int I) {
+                                               __nv_bfloat16* __restrict__ h, int k, int H, int I, int h_logical) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int B_PER = NP * 16 / RS_THREADS;  // 16-byte pieces of x per thread and chunk
   extern __shared__ unsigned char wg_smem[];
@@ -971,14 +979,16 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
   cp_async_wait<0>();
   __syncthreads();  // every warpgroup's wgmmas are done with the stages: the h tile takes their place
 
-  // acc[4 j + v]: row g + 8 (v >> 1) of the warp's 16 (gate, then up), token 8 j + 2 c + (v & 1).
+  // acc[4 j + v]: row g + 8 (v >> 1) of the warp's 16 (gate, then up), token 8 j + 2 c + (v & 1). The block's 128
+  // outputs are one 128-k chunk of the down GEMM: h_logical puts output o at its position there (logical_pos).
   __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(sbase);  // [NP tokens][RS_H_PITCH]
+  const int col = h_logical ? logical_pos(8 * warp + g) : 8 * warp + g;
 #pragma unroll
   for (int j = 0; j < NP / 8; ++j)
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const float gt = acc[4 * j + v], u = acc[4 * j + 2 + v];
-      tile[(8 * j + 2 * c + v) * RS_H_PITCH + 8 * warp + g] = __float2bfloat16_rn(gt / (1.f + __expf(-gt)) * u);
+      tile[(8 * j + 2 * c + v) * RS_H_PITCH + col] = __float2bfloat16_rn(gt / (1.f + __expf(-gt)) * u);
     }
   __syncthreads();
   for (int i = tid; i < rows * 16; i += RS_THREADS) {
@@ -993,14 +1003,169 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
 
 extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
     const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot,
-    const int4* passes, __nv_bfloat16* h, int k, int H, int I) {
+    const int4* passes, __nv_bfloat16* h, int k, int H, int I, int h_logical) {
   if (blockIdx.y >= passes[0].x) return;
-  const int4 pass = passes[1 + blockIdx.y];
-  switch ((pass.z + 31) >> 5) {  // N: the pass's rows rounded up to 32
-    case 1: moe_up_rs_pass<32>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I); break;
-    case 2: moe_up_rs_pass<64>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I); break;
-    case 3: moe_up_rs_pass<96>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I); break;
-    default: moe_up_rs_pass<128>(x_perm, w13_packed, w13_scale, sorted_slot, pass.x, pass.y, pass.z, h, k, H, I);
+  const int4 p = passes[1 + blockIdx.y];
+  switch ((p.z + 31) >> 5) {  // N: the pass's rows rounded up to 32
+    case 1:
+      moe_up_rs_pass<32>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
+      break;
+    case 2:
+      moe_up_rs_pass<64>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
+      break;
+    case 3:
+      moe_up_rs_pass<96>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
+      break;
+    default:
+      moe_up_rs_pass<128>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
+  }
+}
+
+// Swapped down GEMM (moe_down_rs; sm_90a), moe_up_rs's partner when I <= RSD_MAX_I: y[slot, n] = topk_weight *
+// (W2 h)[n] for the pass's rows, as the wgmma family's down GEMM writes it. The pass's h rows (the logical k order,
+// from moe_up_rs) stay in shared memory as the N columns; the block streams tiles of 256 outputs, warp w owning
+// outputs n = 256 t + 16 w + g (A row g) and + 8 (row g + 8), their weights dequantized into registers from each
+// thread's own slots of a cp.async ring RSD_WSTAGES - 1 tiles ahead; no barrier inside the loop. The accumulators go
+// straight to y, bf16 pairs of adjacent outputs.
+// Launch: grid (ceil(n_tiles / tpb), max_passes), n_tiles = H / 256, block RS_THREADS, shared RSD_SMEM bytes;
+// H % 256 == 0, I % 128 == 0, I <= RSD_MAX_I.
+#define RSD_MAX_I 256
+#define RSD_WSTAGES 3
+#define RSD_PIECES (RSD_MAX_I / 64)  // 16-byte weight pieces per thread and tile: 2 rows x I / 128 chunks
+#define RSD_WSTAGE (RS_THREADS * RSD_PIECES * 20)  // per thread: the pieces (16 B each), their scale pairs (4 B each)
+#define RSD_SMEM (1024 + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE + RS_MT * 8)
+
+template <int NP>
+__device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict__ h,
+                                                 const int* __restrict__ w2_packed,
+                                                 const __nv_bfloat16* __restrict__ w2_scale,
+                                                 const int* __restrict__ sorted_slot,
+                                                 const float* __restrict__ topk_weights, int e, int row0, int rows,
+                                                 __nv_bfloat16* __restrict__ y, int H, int I, int n_tiles, int tpb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char wg_smem[];
+  const u32 base = (smem_u32(wg_smem) + 1023) & ~1023u;
+  unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int tile0 = blockIdx.x * tpb, tiles = min(tile0 + tpb, n_tiles) - tile0, n_chunks = I / 128;
+  const int pieces = 2 * n_chunks;  // per thread and tile
+  // h rows [NP][I] in 64-k blocks of [RS_MT rows][128 B], swizzled; then the weight ring; then slots and weights.
+  const u32 w_base = base + RS_MT * RSD_MAX_I * 2;
+  int* slot_of = reinterpret_cast<int*>(sbase + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE);
+  float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
+  for (int q = tid; q < rows * (I / 8); q += RS_THREADS) {
+    const int r = q / (I / 8), u = q - r * (I / 8);
+    cp_async16(base + (u >> 3) * RS_MT * 128 + r * 128 + (((u & 7) ^ (r & 7)) << 4), h + (size_t)(row0 + r) * I + 8 * u,
+               true);
+  }
+  if (tid < rows) {
+    slot_of[tid] = sorted_slot[row0 + tid];
+    weight_of[tid] = topk_weights[slot_of[tid]];
+  }
+  // Weights of tile t: rows n = 256 t + 16 w + g (+ 8) of the tiled w2 ([E][I/64][H][8 words]); piece (chunk ch, row
+  // half rh) is half c & 1 of K tile 2 ch + (c >> 1). Offsets in uint4 and in scales alike.
+  const size_t at = (((size_t)e * (I / 64) + (c >> 1)) * H + 16 * warp + g) * 2 + (c & 1);
+  const uint4* w_src = reinterpret_cast<const uint4*>(w2_packed) + at;
+  const __nv_bfloat16* s_src = w2_scale + (at & ~(size_t)1);
+  auto load_w = [&](int i) {  // the block's i-th tile
+    if (i >= tiles) return;
+    const u32 st = w_base + (i % RSD_WSTAGES) * RSD_WSTAGE;
+    const size_t t_off = (size_t)(tile0 + i) * 256 * 2;
+    for (int pc = 0; pc < pieces; ++pc) {
+      const size_t off = t_off + (size_t)(pc >> 1) * 4 * H + (pc & 1) * 16;  // chunk: 2 K tiles of H rows x 2 pieces
+      cp_async16(st + (pc * RS_THREADS + tid) * 16, w_src + off, true);
+      cp_async4(st + RS_THREADS * RSD_PIECES * 16 + (pc * RS_THREADS + tid) * 4, s_src + off, true);
+    }
+  };
+  // Copy groups: h and tile 0, then one per tile (tile i + RSD_WSTAGES - 1 issued at tile i).
+  load_w(0);
+  cp_async_commit();
+#pragma unroll
+  for (int i = 1; i < RSD_WSTAGES - 1; ++i) {
+    load_w(i);
+    cp_async_commit();
+  }
+  cp_async_wait<RSD_WSTAGES - 2>();
+  fence_proxy_async();
+  __syncthreads();  // h rows and slots in place
+
+  float acc[NP / 2];
+  for (int i = 0; i < tiles; ++i) {
+    if (i > 0) cp_async_wait<RSD_WSTAGES - 2>();  // this thread's pieces of tile i
+    load_w(i + RSD_WSTAGES - 1);  // into the slot of tile i - 1, read back already
+    cp_async_commit();
+    const unsigned char* wst = sbase + RS_MT * RSD_MAX_I * 2 + (i % RSD_WSTAGES) * RSD_WSTAGE;
+#pragma unroll
+    for (int v = 0; v < NP / 2; ++v) acc[v] = 0.f;
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      uint4 wv[2];
+      __nv_bfloat162 sv[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int pc = 2 * ch + rh;
+        wv[rh] = *reinterpret_cast<const uint4*>(wst + (pc * RS_THREADS + tid) * 16);
+        sv[rh] = __bfloat162bfloat162(reinterpret_cast<const __nv_bfloat16*>(
+            wst + RS_THREADS * RSD_PIECES * 16 + (pc * RS_THREADS + tid) * 4)[c & 1]);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        u32 d0[4], d1[4];
+        dequant_word(q == 0 ? wv[0].x : q == 1 ? wv[0].y : q == 2 ? wv[0].z : wv[0].w, sv[0], d0);
+        dequant_word(q == 0 ? wv[1].x : q == 1 ? wv[1].y : q == 2 ? wv[1].z : wv[1].w, sv[1], d1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int s = 2 * q + j;
+          const u32 a[4] = {d0[2 * j], d1[2 * j], d0[2 * j + 1], d1[2 * j + 1]};
+          wg_fence();
+          wgmma_rs<0>(acc, a, wg_desc(base + (2 * ch + (s >> 2)) * RS_MT * 128 + 32 * (s & 3), 16, 1024));
+          wg_commit();
+          wg_wait<1>();
+        }
+      }
+    }
+    wg_wait<0>();
+    wg_pin(acc);
+    // acc[4 j + v]: output row g + 8 (v >> 1) of the warp's 16, token 8 j + 2 c + (v & 1). Lanes g and g ^ 1 swap
+    // halves so that each holds one token's outputs n0, n0 + 1 and n0 + 8, n0 + 9 (n0 even): two 4-byte stores (a
+    // second swap for 8-byte stores measured no faster).
+    const int odd = g & 1, n0 = 256 * (tile0 + i) + 16 * warp + g - odd;
+#pragma unroll
+    for (int j = 0; j < NP / 8; ++j) {
+      const float a0 = acc[4 * j], a1 = acc[4 * j + 1], b0 = acc[4 * j + 2], b1 = acc[4 * j + 3];
+      const float ra = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
+      const float rb = __shfl_xor_sync(0xffffffffu, odd ? b0 : b1, 4);
+      const int t = 8 * j + 2 * c + odd;
+      if (t < rows) {
+        const float wt = weight_of[t];
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(y + (size_t)slot_of[t] * H + n0);
+        dst[0] = __floats2bfloat162_rn(wt * (odd ? ra : a0), wt * (odd ? a1 : ra));
+        dst[4] = __floats2bfloat162_rn(wt * (odd ? rb : b0), wt * (odd ? b1 : rb));
+      }
+    }
+  }
+  cp_async_wait<0>();
+#else
+  __trap();
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_down_rs(
+    const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,
+    const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles, int tpb) {
+  if (blockIdx.y >= passes[0].x) return;
+  const int4 p = passes[1 + blockIdx.y];
+  switch ((p.z + 31) >> 5) {  // N: the pass's rows rounded up to 32
+    case 1:
+      moe_down_rs_pass<32>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
+      break;
+    case 2:
+      moe_down_rs_pass<64>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
+      break;
+    case 3:
+      moe_down_rs_pass<96>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
+      break;
+    default:
+      moe_down_rs_pass<128>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
   }
 }
 
