@@ -386,10 +386,10 @@ def test_wgmma_family_support_and_choice():
     E, H, I = 384, 7168, 256
     assert _choose_variant(E, H, I, 8 * 64, wgmma=True) == SKINNY
     assert _choose_variant(E, H, I, 8 * 512, wgmma=True) == "m32n2"
-    assert _choose_variant(E, H, I, 8 * 1024, wgmma=True) == "rs64"
+    assert _choose_variant(E, H, I, 8 * 1024, wgmma=True) == "rs"
     assert _choose_variant(E, H, I, 8 * 1024, wgmma=False) == "m32n2"
-    assert _choose_variant(E, H, I, 8 * 2080, wgmma=True) == "rs64"
-    assert _choose_variant(E, H, I, 8 * 4096, wgmma=True) == "rs128"
+    assert _choose_variant(E, H, I, 8 * 2080, wgmma=True) == "rs"
+    assert _choose_variant(E, H, I, 8 * 4096, wgmma=True) == "rs"
     assert _choose_variant(E, H, I, 8 * 4096, wgmma=False) == "m64n2"
 
 
@@ -471,7 +471,7 @@ def test_cuda_wgmma_graph_replay_equals_eager():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma family needs an sm_90 GPU")
     gen = torch.Generator("cuda").manual_seed(11)
-    T, H, I, E, k = 1024, 1024, 256, 64, 8  # 128 slots per expert: rs128
+    T, H, I, E, k = 1024, 1024, 256, 64, 8  # 128 slots per expert: rs
     tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
     assert _choose_variant(E, H, I, T * k, wgmma=True) in WGMMA_VARIANTS
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -505,7 +505,7 @@ def test_cuda_wgmma_rejects_unsupported_operands():
     with pytest.raises(ValueError, match="H % 256 == 0" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"):
         _w4a16_moe_cuda(x, *repack_int4_experts(*ct), ids, weights, variant="wg128")
     with pytest.raises(ValueError, match="H % 256 == 0" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"):
-        _w4a16_moe_cuda(x, *repack_int4_experts(*ct), ids, weights, variant="rs64")
+        _w4a16_moe_cuda(x, *repack_int4_experts(*ct), ids, weights, variant="rs")
     with pytest.raises(ValueError, match="unknown variant"):
         _w4a16_moe_cuda(x, *ct, ids, weights, variant="m128n4")
     # the automatic choice falls back to the other families there: still correct
@@ -514,7 +514,7 @@ def test_cuda_wgmma_rejects_unsupported_operands():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wg64", "rs64"])
+@pytest.mark.parametrize("variant", ["wg64", "rs"])
 def test_cuda_wgmma_token_chunks_give_the_same_bits(monkeypatch, variant):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma family needs an sm_90 GPU")

@@ -27,15 +27,15 @@ Three families of GEMM kernels: with few rows per expert (decode and small verif
 (passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
 rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
 staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
-``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``: 64- or 128-row passes). Its
-down GEMM streams N tiles of 256 weight rows, 64 k per stage, the INT4 tile dequantized once per pass into bf16
-shared memory, both wgmma operands from shared memory, h read in natural k order; it writes each (token, slot)'s
-weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results are the same
-bits on every call. Its gate/up GEMM is either the same design over x (``wg64``, ``wg128``) or swapped
-(``moe_up_rs``; ``rs64``, ``rs128``, the ones chosen): the weights are wgmma's A operand, dequantized into registers,
-and the pass's rows of x (permuted by the prep into the tile path's k order) its N columns, N the rows rounded up to
-32 rather than to the 64 or 128 of a pass. The family runs batches of more than ``WG_CHUNK_TOKENS`` tokens in
-chunks.
+``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``). Its down GEMM writes each
+(token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results
+are the same bits on every call. The chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
+(``moe_up_rs``, ``moe_down_rs``): the weights are wgmma's A operand, dequantized into registers in the tile path's k
+order, and the pass's rows (x permuted by the prep into that order; h written in it) its N columns, N the rows
+rounded up to 32; with I > ``RSD_MAX_I`` its down GEMM is ``wg128``'s. ``wg64`` and ``wg128`` (64- or 128-row passes,
+kept for sweeps) stream N tiles of 256 weight rows, 64 k per stage, the INT4 tile dequantized once per pass into bf16
+shared memory and both wgmma operands from there, x and h in natural k order. The family runs batches of more than
+``WG_CHUNK_TOKENS`` tokens in chunks.
 
 Expert layouts: compressed-tensors (``[E, N, K/8]`` int32 and ``[E, N, K/32]`` scales, as loaded) or the tiled
 layout of :func:`repack_int4_experts` (``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]``: one K tile of an N tile's rows is
@@ -67,7 +67,7 @@ PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 T
 # Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> (warpgroups along M of the down
 # GEMM, rows per pass = 64 * that; whether the gate/up GEMM is the swapped one, moe_up_rs); N tiles of WG_BN weight
 # rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg), RS_SMEM for moe_up_rs.
-WGMMA_VARIANTS = {"wg64": (1, False), "wg128": (2, False), "rs64": (1, True), "rs128": (2, True)}
+WGMMA_VARIANTS = {"wg64": (1, False), "wg128": (2, False), "rs": (2, True)}
 # moe_up_rs: four warpgroups; 4 stages of x (128 rows x 128 k) and 4 of weights (40 bytes per thread): 214016 bytes.
 # moe_down_rs (its partner for I <= RSD_MAX_I, else the wgmma down GEMM): the pass's h rows (128 x RSD_MAX_I), 3
 # stages of weights (80 bytes per thread), the rows' slots and weights: 190464 bytes.
@@ -78,11 +78,11 @@ WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
 WG_RES_K = 256
 WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
-# Route slots per expert from which the wgmma family (then its 128-row passes) is chosen. H200, K2 TP8, 384 experts,
-# the MoE's kernels per call (2026-12-02; results/moe-rs-2026-12-02-h200.txt): 21 per expert (T=1024) rs64 644 us
-# < m32n2 741; 43 (T=2080) rs64 831 < wg64 994; 85 (T=4096) rs128 1154 < wg128 1332 (rs64 1582, moe-up-rs-*.txt: its
-# passes of 64 rows read the weights twice); 341 (T=16384) rs128 3913 < wg128 4163.
-WGMMA_MIN_ROWS_PER_EXPERT, WG128_MIN_ROWS_PER_EXPERT = 20, 64
+# Route slots per expert from which the wgmma family's rs is chosen. H200, K2 TP8, 384 experts, the MoE's kernels per
+# call (2026-12-02; results/moe-rs-2026-12-02-h200.txt, as rs128): 21 per expert (T=1024) rs 644 us < m32n2 741; 43
+# (T=2080) rs 831 < wg64 994; 85 (T=4096) rs 1154 < wg128 1332; 341 (T=16384) rs 3913 < wg128 4163. Passes of 64 rows
+# instead (moe-rs-pass-rows-*.txt) tie up to 43 per expert and lose from 64 (985 against 1190 us at T=3072).
+WGMMA_MIN_ROWS_PER_EXPERT = 20
 # The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
 # launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
 WG_CHUNK_TOKENS = 16384
@@ -301,7 +301,7 @@ def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> 
     """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards).
     ``wgmma``: the wgmma family can run (Hopper, tiled experts, H % 256 == 0, I % 128 == 0)."""
     if wgmma and slots >= WGMMA_MIN_ROWS_PER_EXPERT * E:
-        return "rs128" if slots >= WG128_MIN_ROWS_PER_EXPERT * E else "rs64"
+        return "rs"
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
