@@ -14,7 +14,8 @@ verify step's MoE can be captured in a CUDA graph:
 
 1. ``moe_prep``: block 0 sorts the (token, slot) pairs by expert (histogram + prefix sum) and cuts each
    expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
-   ldmatrix loads read (see the .cu; not needed by the skinny path) and zero the fp32 output accumulator.
+   ldmatrix loads read (see the .cu; the wgmma family's ``rs`` reads it too, the skinny path does not) and zero the
+   fp32 output accumulator.
    ``routed_w4a16_moe`` at few tokens launches ``moe_route_prep`` (``cuda/moe_route.cu``) instead: block 0
    routes the tokens (``moe_route``'s math, a warp per token) before it sorts them.
 2. ``moe_up_*``: per (pass, N tile) the gate/up GEMM with INT4 dequantized in registers, SiLU(gate) * up

@@ -846,8 +846,8 @@ MOE_WGMMA(wg64, 1)   // 64-row passes: both warpgroups on the same rows, 128 col
 MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns each
 
 // Swapped gate/up GEMM (moe_up_rs; sm_90a): the wgmma family's up GEMM transposed, for passes of up to RS_MT rows.
-// The weights are wgmma's A operand, dequantized from 16-byte global loads straight into registers in the tile
-// path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage);
+// The weights are wgmma's A operand, dequantized from each thread's own 16-byte pieces straight into registers in the
+// tile path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage);
 // the pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns, N = rows rounded up to 32,
 // staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. The block owns 128
 // outputs of h: warp w the 8 outputs o = 128 blockIdx.x + 8 w + g, as A rows g (gate) and g + 8 (up), so each thread
@@ -906,8 +906,8 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
 
   // Weights: gate row o and up row I + o of the tiled w13 ([E][H/64][2I][8 words]); chunk ch is K tiles 2 ch and
   // 2 ch + 1, the lane's piece is half c & 1 of K tile 2 ch + (c >> 1). Offsets in uint4 and in scales alike. Each
-  // thread copies its own two pieces and scale pairs into its slots of the weight ring, RS_AHEAD chunks ahead, and
-  // reads them back itself (no barrier needed for them).
+  // thread copies its own two pieces and scale pairs into its slots of the weight ring, RS_WSTAGES - 1 chunks ahead,
+  // and reads them back itself (no barrier needed for them).
   const int o = 128 * blockIdx.x + 8 * warp + g;
   const size_t row = ((size_t)e * (H / 64) + (c >> 1)) * N2 + o, at = row * 2 + (c & 1);
   const size_t step = (size_t)4 * N2, up = (size_t)2 * I;
