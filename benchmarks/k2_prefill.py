@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: a --base kdray can come first
 import kdray  # noqa: E402
-from benchmarks.common import Ceilings, print_table  # noqa: E402
+from benchmarks.common import Ceilings, print_table, time_us  # noqa: E402
 from benchmarks.k2_step import PAGE, fill_random, matmul_params, random_shard, shard_config  # noqa: E402
 from kdray.config import K2Config, LlamaConfig  # noqa: E402
 from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
@@ -119,32 +118,10 @@ def gpu_time_by_kind(run) -> tuple[dict[str, float], str]:
     return kinds, ", ".join(f"{n[:60]} {ms:.1f} ms" for n, ms in top)
 
 
-def median_ms(run, n: int = 3) -> float:
-    """Median of ``n`` timed calls of ``run`` (CUDA events)."""
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def graphed_ms(run) -> float | None:
-    """Median time of ``run`` replayed from a CUDA graph, or None (printed why) where it cannot be captured."""
+    """Median of 3 replays of ``run`` from a CUDA graph in ms, or None (printed why) where it cannot be captured."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()  # warm
-        t = median_ms(graph.replay)
-        del graph
-        return t
+        return time_us(run, warmup=0, iters=3, graph=True) / 1e3
     except (RuntimeError, torch.OutOfMemoryError) as e:
         print(f"# not captured: {str(e).splitlines()[0]}", flush=True)
         return None
@@ -160,8 +137,7 @@ def measure(model, ceil: Ceilings, cell: str) -> list[str]:
         return model.logits(hidden[last])
 
     with torch.no_grad():
-        run()  # kernels compiled, allocator warm
-        t = median_ms(run)
+        t = time_us(run, warmup=1, iters=3) / 1e3  # the warm-up compiles the kernels and fills the allocator
         kinds, top = gpu_time_by_kind(run)
         tg = graphed_ms(run)
     floor = prefill_flops(model, B, P, N) / ceil.bf16_flop_per_s * 1e3

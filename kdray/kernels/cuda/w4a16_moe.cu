@@ -873,6 +873,30 @@ __device__ __forceinline__ int logical_pos(int k) {
   return 16 * (2 * q + s1) + 8 * h + 2 * c + i;
 }
 
+// acc += A x B over one 128-k chunk, for moe_up_rs and moe_down_rs: A is this warp's 16 rows, row g from piece w0
+// (scale s0) and row g + 8 from w1 (s1), lane c holding k [32 c, 32 c + 32) of the chunk; B is the chunk's N rows in
+// the logical k order at b (k16 steps 0-3, 128B-swizzled [rows][128 B]) and b + RS_HALF (steps 4-7). Each step
+// retires the one before (its A registers are rewritten next).
+template <int NA>
+__device__ __forceinline__ void rs_chunk(float (&acc)[NA], uint4 w0, uint4 w1, __nv_bfloat162 s0,
+                                         __nv_bfloat162 s1, u32 b) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    u32 d0[4], d1[4];
+    dequant_word(q == 0 ? w0.x : q == 1 ? w0.y : q == 2 ? w0.z : w0.w, s0, d0);
+    dequant_word(q == 0 ? w1.x : q == 1 ? w1.y : q == 2 ? w1.z : w1.w, s1, d1);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // k16 step 2q + j: rows g and g + 8, k slots 2c.. and 2c + 8..
+      const int s = 2 * q + j;
+      const u32 a[4] = {d0[2 * j], d1[2 * j], d0[2 * j + 1], d1[2 * j + 1]};
+      wg_fence();
+      wgmma_rs<0>(acc, a, wg_desc(b + (s >> 2) * RS_HALF + 32 * (s & 3), 16, 1024));
+      wg_commit();
+      wg_wait<1>();
+    }
+  }
+}
+
 template <int NP>
 __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__ x_perm,
                                                const int* __restrict__ w13_packed,
@@ -929,8 +953,7 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
   for (int i = 0; i < NP / 2; ++i) acc[i] = 0.f;
   // Copy groups, oldest first: the prologue's W0 X0 W1 X1 W2, then X(ch + 2) W(ch + 3) per chunk ch. Chunk ch waits
   // for X(ch) (three groups younger than it may stay in flight), and the barrier also frees the x stage of chunk
-  // ch - 2 (only chunk ch - 1's last wgmma may still run); then 8 k16 steps, each retiring the step before (its A
-  // registers are rewritten next).
+  // ch - 2 (only chunk ch - 1's last wgmma may still run).
   load_w(0);
   cp_async_commit();
   load_x(0);
@@ -959,21 +982,7 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
       sv[u] = __bfloat162bfloat162(
           reinterpret_cast<const __nv_bfloat16*>(wst + 2 * RS_THREADS * 16 + u * RS_THREADS * 4 + tid * 4)[c & 1]);
     }
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      u32 dg[4], du[4];
-      dequant_word(q == 0 ? wv[0].x : q == 1 ? wv[0].y : q == 2 ? wv[0].z : wv[0].w, sv[0], dg);
-      dequant_word(q == 0 ? wv[1].x : q == 1 ? wv[1].y : q == 2 ? wv[1].z : wv[1].w, sv[1], du);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {  // k16 step 2q + j: rows g (gate) and g + 8 (up), k slots 2c.. and 2c + 8..
-        const int s = 2 * q + j;
-        const u32 a[4] = {dg[2 * j], du[2 * j], dg[2 * j + 1], du[2 * j + 1]};
-        wg_fence();
-        wgmma_rs<0>(acc, a, wg_desc(st + (s >> 2) * RS_HALF + 32 * (s & 3), 16, 1024));
-        wg_commit();
-        wg_wait<1>();
-      }
-    }
+    rs_chunk(acc, wv[0], wv[1], sv[0], sv[1], st);  // rows g: gate, g + 8: up
   }
   wg_wait<0>();
   cp_async_wait<0>();
@@ -1055,7 +1064,7 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
   float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
   for (int q = tid; q < rows * (I / 8); q += RS_THREADS) {
     const int r = q / (I / 8), u = q - r * (I / 8);
-    cp_async16(base + (u >> 3) * RS_MT * 128 + r * 128 + (((u & 7) ^ (r & 7)) << 4), h + (size_t)(row0 + r) * I + 8 * u,
+    cp_async16(base + (u >> 3) * RS_HALF + r * 128 + (((u & 7) ^ (r & 7)) << 4), h + (size_t)(row0 + r) * I + 8 * u,
                true);
   }
   if (tid < rows) {
@@ -1107,21 +1116,7 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
         sv[rh] = __bfloat162bfloat162(reinterpret_cast<const __nv_bfloat16*>(
             wst + RS_THREADS * RSD_PIECES * 16 + (pc * RS_THREADS + tid) * 4)[c & 1]);
       }
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        u32 d0[4], d1[4];
-        dequant_word(q == 0 ? wv[0].x : q == 1 ? wv[0].y : q == 2 ? wv[0].z : wv[0].w, sv[0], d0);
-        dequant_word(q == 0 ? wv[1].x : q == 1 ? wv[1].y : q == 2 ? wv[1].z : wv[1].w, sv[1], d1);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int s = 2 * q + j;
-          const u32 a[4] = {d0[2 * j], d1[2 * j], d0[2 * j + 1], d1[2 * j + 1]};
-          wg_fence();
-          wgmma_rs<0>(acc, a, wg_desc(base + (2 * ch + (s >> 2)) * RS_MT * 128 + 32 * (s & 3), 16, 1024));
-          wg_commit();
-          wg_wait<1>();
-        }
-      }
+      rs_chunk(acc, wv[0], wv[1], sv[0], sv[1], base + 2 * ch * RS_HALF);
     }
     wg_wait<0>();
     wg_pin(acc);
