@@ -858,7 +858,7 @@ MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns
 // Launch: grid (I / 128, max_passes), block RS_THREADS, shared RS_SMEM bytes; H % 256 == 0, I % 128 == 0.
 #define RS_MT 128                      // rows per pass
 #define RS_THREADS 512                 // four warpgroups, 64 weight rows each
-#define RS_STAGES 4                    // chunks of x: the one in use, the one its last wgmma may read, 2 ahead
+#define RS_STAGES 4                    // chunks of x: the one in use, the one its last wgmmas may read, 2 ahead
 #define RS_HALF (RS_MT * 128)          // one 64-k half of a chunk: [RS_MT rows][128 B]
 #define RS_WSTAGES 4                   // chunks of weights in flight per thread: the one in use and 3 ahead
 #define RS_WSTAGE (RS_THREADS * 40)    // per thread: gate and up pieces (16 B each), their scale pairs (4 B each)
@@ -876,7 +876,8 @@ __device__ __forceinline__ int logical_pos(int k) {
 // acc += A x B over one 128-k chunk, for moe_up_rs and moe_down_rs: A is this warp's 16 rows, row g from piece w0
 // (scale s0) and row g + 8 from w1 (s1), lane c holding k [32 c, 32 c + 32) of the chunk; B is the chunk's N rows in
 // the logical k order at b (k16 steps 0-3, 128B-swizzled [rows][128 B]) and b + RS_HALF (steps 4-7). Each step
-// retires the one before (its A registers are rewritten next).
+// retires the one two before, whose A registers the next word's dequantization may take (H200: waiting for the one
+// before cost moe_up_rs 4-6% at 2k-16k tokens; three in flight, at 128 registers, was slower).
 template <int NA>
 __device__ __forceinline__ void rs_chunk(float (&acc)[NA], uint4 w0, uint4 w1, __nv_bfloat162 s0,
                                          __nv_bfloat162 s1, u32 b) {
@@ -892,7 +893,7 @@ __device__ __forceinline__ void rs_chunk(float (&acc)[NA], uint4 w0, uint4 w1, _
       wg_fence();
       wgmma_rs<0>(acc, a, wg_desc(b + (s >> 2) * RS_HALF + 32 * (s & 3), 16, 1024));
       wg_commit();
-      wg_wait<1>();
+      wg_wait<2>();
     }
   }
 }
@@ -953,7 +954,7 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
   for (int i = 0; i < NP / 2; ++i) acc[i] = 0.f;
   // Copy groups, oldest first: the prologue's W0 X0 W1 X1 W2, then X(ch + 2) W(ch + 3) per chunk ch. Chunk ch waits
   // for X(ch) (three groups younger than it may stay in flight), and the barrier also frees the x stage of chunk
-  // ch - 2 (only chunk ch - 1's last wgmma may still run).
+  // ch - 2 (only chunk ch - 1's last two wgmmas may still run).
   load_w(0);
   cp_async_commit();
   load_x(0);
