@@ -393,6 +393,25 @@ def test_wgmma_family_support_and_choice():
     assert _choose_variant(E, H, I, 8 * 4096, wgmma=False) == "m64n2"
 
 
+def test_swapped_gemms_launch_with_the_sizes_the_cu_defines():
+    """The launch's threads, shared memory and I bound for moe_up_rs / moe_down_rs are the .cu's #defines (a kernel
+    launched with less shared memory than it addresses would read past its allocation)."""
+    import re
+    from pathlib import Path
+
+    import kdray.kernels.w4a16_moe as moe
+
+    src = (Path(moe.__file__).parent / "cuda" / "w4a16_moe.cu").read_text()
+    defines = {name: expr.split("//")[0] for name, expr in re.findall(r"^#define (RSD?_[A-Z_]+) (.*)$", src, re.M)}
+    values: dict[str, int] = {}
+    for name, expr in defines.items():  # each refers only to the ones above it
+        values[name] = int(eval(re.sub(r"[A-Z_]+", lambda m: str(values[m.group()]), expr)))
+    assert values["RS_MT"] == 64 * WGMMA_VARIANTS["rs"][0]  # the pass size of the variant
+    assert (values["RS_THREADS"], values["RS_SMEM"]) == (moe.RS_THREADS, moe.RS_SMEM)
+    assert (values["RSD_MAX_I"], values["RSD_SMEM"]) == (moe.RSD_MAX_I, moe.RSD_SMEM)
+    assert max(values["RS_SMEM"], values["RSD_SMEM"]) <= 227 * 1024  # an H100/H200 block's shared memory
+
+
 def _ragged_routing(T, E, k, gen, skip=0.05):
     """Distinct ids per token with ragged expert loads: experts 0 and 1 hot (every token that can: > 1 tile of rows
     from T = 257), expert 2 on token 0 only (1 row), the last quarter unused (0 rows), a ``skip`` share of -1."""
