@@ -363,17 +363,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     h_width = I if variant == SKINNY else _round128(I)
     h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, h_width, dtype=torch.bfloat16, device=dev)
 
-    # moe_prep: block 0 sorts the slots by expert (1024 threads, 2E ints of shared memory); the others permute x
-    # (a thread per 16-byte piece) and zero acc. moe_route_prep routes the tokens in block 0 first.
-    perm_blocks = min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
-    prep = (x, x_perm if x_perm is not None else 0, acc, sorted_slot, passes)
-    if routing is None:
-        launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
-               (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=dev)
-    else:
-        args, defines, group_scratch = routing
-        launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
-               shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
+    _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
     if variant == SKINNY:
         launch("w4a16_moe", "moe_up_skinny", (max_passes, I // 16), (SKINNY_UP_THREADS,),
                (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)), device=dev)
@@ -387,6 +377,26 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
            (acc, add if add is not None else 0, out, i32(n4)), device=dev)
     return out
+
+
+def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms):
+    """moe_prep: block 0 sorts the slots by expert into passes of at most ``mt`` rows (1024 threads, 2E ints of shared
+    memory); the other blocks, when there is an ``x_perm`` or ``acc`` to write, permute x into it (a thread per
+    16-byte piece) and zero acc. With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in
+    block 0 first."""
+    from kdray.kernels.cuda_module import launch
+
+    T, k = topk_ids.shape
+    i32 = np.int32
+    perm_blocks = 0 if x_perm is None and acc is None else min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
+    prep = (x, 0 if x_perm is None else x_perm, 0 if acc is None else acc, sorted_slot, passes)
+    if routing is None:
+        launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
+               (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=x.device)
+    else:
+        args, defines, group_scratch = routing
+        launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
+               shared_mem=4 * T * k + max(8 * E, group_scratch), device=x.device, defines=defines)
 
 
 def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
@@ -415,9 +425,10 @@ def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_sc
 
 def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out, routing,
                E, H, I, k, sms) -> torch.Tensor:
-    """The wgmma family: prep (sort only), ``moe_up_<variant>`` -> h [T*k, I], ``moe_down_<variant>`` -> y [T*k, H]
-    (each slot's weighted row, bf16), ``moe_finalize_slots`` (each token's rows summed in slot order: the same bits
-    on every call)."""
+    """The wgmma family: prep (the sort; for ``rs`` x permuted too), the gate/up GEMM (``moe_up_rs`` or
+    ``moe_up_<variant>``) -> h [T*k, I], the down GEMM (``moe_down_rs``, or the ``wg`` one of the pass size) -> y
+    [T*k, H] (each slot's weighted row, bf16), ``moe_finalize_slots`` (each token's rows summed in slot order: the
+    same bits on every call)."""
     from kdray.kernels.cuda_module import launch
 
     dev, i32 = x.device, np.int32
@@ -436,15 +447,7 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     # The swapped gate/up GEMM reads x in the tile path's k order ([T, H], H % 256 == 0: no padding); the prep's
     # other blocks write it. The other wgmma kernels read x and h as they are: block 0 only.
     x_perm = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if swapped else None
-    perm_blocks = min(4 * sms, math.ceil(T * H // 8 / 1024)) if swapped else 0
-    prep = (x, 0 if x_perm is None else x_perm, 0, sorted_slot, passes)  # no fp32 accumulator
-    if routing is None:
-        launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
-               (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=dev)
-    else:
-        args, defines, group_scratch = routing
-        launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
-               shared_mem=4 * slots + max(8 * E, group_scratch), device=dev, defines=defines)
+    _prep(x, topk_ids, x_perm, None, sorted_slot, passes, routing, E, H, mt, sms)  # no fp32 accumulator
     busy = min(E, slots)
     swapped_down = swapped and I <= RSD_MAX_I  # reads h in the logical k order moe_up_rs then writes
     if swapped:  # a block per 128 outputs of h and pass
