@@ -95,18 +95,7 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   return *reinterpret_cast<u32*>(&v);
 }
 
-#ifdef TVA_WGMMA
-// d[32] (+)= A[64x16] B[16x64]: both operands K-major in 128B-swizzled shared memory.
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : WG_ACC32
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-#else
+#ifndef TVA_WGMMA
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -138,7 +127,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[32], u32 sQ, u32 sK, int wq, 
 #pragma unroll
   for (int ks = 0; ks < DK / 16; ++ks) {
     const u32 off = (ks >> 2) * 8192 + (ks & 3) * 32;  // 64-column chunk, then 16 columns inside it
-    wgmma_ss_n64(s, wg_desc(sQ + off, 16, 1024), wg_desc(sK + off, 16, 1024), ks > 0);
+    wgmma_ss(s, wg_desc(sQ + off, 16, 1024), wg_desc(sK + off, 16, 1024), ks > 0);
   }
   wg_commit();
   wg_wait_all();

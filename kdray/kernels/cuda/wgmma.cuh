@@ -49,25 +49,21 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
-// d[64] (+)= A[64x16] B[16x128], both K-major in 128B-swizzled shared memory; accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 da, u64 db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{" WG_D64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : WG_ACC64
-      : "l"(da), "l"(db), "r"(accumulate));
-}
+// d[NA] (+)= A[64x16] B[16xN], N = 2 NA = 64, 128 or 256, both K-major in 128B-swizzled shared memory; accumulate = 0
+// overwrites d. The asm operands: the NA accumulators, the two descriptors (DA, DB), accumulate (P).
+#define WGMMA_SS(NA, N, DA, DB, P)                                                                         \
+  __device__ __forceinline__ void wgmma_ss(float(&d)[NA], u64 da, u64 db, int accumulate) {               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" WG_D##NA "}, %" #DA ", %" #DB \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                                  \
+                 : WG_ACC##NA                                                                             \
+                 : "l"(da), "l"(db), "r"(accumulate));                                                    \
+  }
+WGMMA_SS(32, 64, 32, 33, 34)
+WGMMA_SS(64, 128, 64, 65, 66)
+WGMMA_SS(128, 256, 128, 129, 130)
+#undef WGMMA_SS
 
-// d[128] (+)= A[64x16] B[16x256], both K-major in 128B-swizzled shared memory; accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss(float (&d)[128], u64 da, u64 db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{" WG_D128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : WG_ACC128
-      : "l"(da), "l"(db), "r"(accumulate));
-}
 // d[NA] += A[64x16] B[16xN], N = 2 NA = 32, 64, 96, 128 or 256: A from registers (a[4], the m16k16 fragment of the
 // thread's warp's 16 rows, as mma.sync's), B in 128B-swizzled shared memory, K-major (MN = 0) or MN-major (MN = 1).
 // wgmma reads a[] asynchronously: they stay unchanged until a wg_wait retires it (ptxas serializes the wgmmas, and
