@@ -53,6 +53,18 @@ __device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4
     acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+#define SORT_BATCH 8  // ids in flight per thread of the sort
+
+// ids[i0 + b * blockDim.x] -> id[b] (-1 past slots), all loads issued before any is used.
+template <typename Id>
+__device__ __forceinline__ void load_ids(const Id* ids, int i0, int slots, long long (&id)[SORT_BATCH]) {
+#pragma unroll
+  for (int b = 0; b < SORT_BATCH; ++b) {
+    const int i = i0 + b * blockDim.x;
+    id[b] = i < slots ? (long long)ids[i] : -1;
+  }
+}
+
 // Block 0 (1024 threads): sorts the T*k (token, slot) pairs of ids [T, k] by expert into sorted_slot (-1 /
 // out-of-range ids dropped) and writes passes[0].x = pass count, passes[1 + p] = (expert, first sorted row,
 // rows <= mt, 0). sm: 2E ints of shared memory. Id: long long (global ids) or int (ids in shared memory).
@@ -65,9 +77,14 @@ __device__ __forceinline__ void moe_sort_slots(const Id* ids, int* sm, int* __re
   const int slots = T * k, tid = threadIdx.x;
   for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  for (int i = tid; i < slots; i += blockDim.x) {
-    const long long id = ids[i];
-    if (id >= 0 && id < E) atomicAdd(&count[id], 1);
+  // The ids are read SORT_BATCH per thread at a time: read one at a time, each id waited out a global load (H200,
+  // K2 TP8: moe_prep 67 -> 49 us at 4096 x 8 slots, 264 -> 203 at 16384).
+  for (int i0 = tid; i0 < slots; i0 += SORT_BATCH * blockDim.x) {
+    long long id[SORT_BATCH];
+    load_ids(ids, i0, slots, id);
+#pragma unroll
+    for (int b = 0; b < SORT_BATCH; ++b)
+      if (id[b] >= 0 && id[b] < E) atomicAdd(&count[id[b]], 1);
   }
   __syncthreads();
   // Each thread owns experts [e0, e1): row offsets and pass offsets by two block scans.
@@ -87,8 +104,11 @@ __device__ __forceinline__ void moe_sort_slots(const Id* ids, int* sm, int* __re
     row += c;
   }
   __syncthreads();
-  for (int i = tid; i < slots; i += blockDim.x) {
-    const long long id = ids[i];
-    if (id >= 0 && id < E) sorted_slot[atomicAdd(&cursor[id], 1)] = i;
+  for (int i0 = tid; i0 < slots; i0 += SORT_BATCH * blockDim.x) {
+    long long id[SORT_BATCH];
+    load_ids(ids, i0, slots, id);
+#pragma unroll
+    for (int b = 0; b < SORT_BATCH; ++b)
+      if (id[b] >= 0 && id[b] < E) sorted_slot[atomicAdd(&cursor[id[b]], 1)] = i0 + b * blockDim.x;
   }
 }
