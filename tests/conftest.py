@@ -2,8 +2,18 @@
 
 GPU tests carry ``@pytest.mark.gpu`` and are skipped without CUDA; ``pytest -m "not slow"`` is the fast lane.
 """
+import os
+
 import pytest
 import torch
+
+# On a small box (the CI's two cores), one torch thread in this (the driver's) process for the whole run: the
+# suite shares those cores with the Ray cluster, the Serve replicas, their actors and other jobs, and with two
+# threads each op's barrier waits for whichever core another process holds (the in-process tests took 2-3x as long
+# whenever the box was busy). Ray's workers take their own thread count from Ray (one per CPU they hold).
+SMALL_BOX = len(os.sched_getaffinity(0)) <= 4
+if SMALL_BOX:
+    torch.set_num_threads(1)
 
 RAY_CPUS = 12  # logical CPUs of the shared cluster: the Serve apps' replicas and actors, and TP = 4 engines
 METRICS_REPORT_MS = 500  # how often workers report metrics to the node's exporter (Ray's default: 10 s)
@@ -18,10 +28,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+CPU_KV_BUDGET = 128 << 20  # KV-cache bytes of an in-process CPU engine without num_pages (kdray's default: 512 MiB)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_cpu_kv_budget():
+    """A quarter of kdray's CPU KV-cache budget for the in-process engines of this run: every ``LLM`` built on the
+    CPU without ``num_pages`` zero-fills its whole cache (0.25 s for 512 MiB on two cores, over a hundred times a run),
+    while the tests hold a few short requests at a time (k2-tiny still gets ~17k pages, SmolLM2 ~180). The default
+    sizing path (``kv_pages_that_fit``) still runs; only its CPU constant is smaller. Ray actors and Serve replicas
+    (other processes) keep the default."""
+    import kdray.engine.layout as layout
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "KV_BUDGET_BYTES_CPU", CPU_KV_BUDGET)
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a small CPU box shared with other
-    jobs, two threads' barriers stall every op."""
+    jobs, two threads' barriers stall every op. (On a small box the whole run uses one, see above.)"""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -4,6 +4,7 @@ does not divide; a killed shard fails its request with a clear error, and the en
 one."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -40,6 +41,17 @@ def generate(model: str, prompts, max_tokens: int, **kw):
     with LLM(model=model, **SPEC, **kw) as llm:
         return tokens(llm.generate(prompt_token_ids=prompts,
                                    sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+@functools.cache
+def _reference(model: str, prompts: tuple, max_tokens: int) -> tuple:
+    return tuple(map(tuple, generate(model, [list(p) for p in prompts], max_tokens)))
+
+
+def reference(model: str, prompts, max_tokens: int) -> list[list[int]]:
+    """``generate(model, prompts, max_tokens)`` in-process: the tokens a run on Ray must equal. Several tests (and
+    parametrizations) compare with the same reference; it is computed once per run."""
+    return [list(t) for t in _reference(model, tuple(map(tuple, prompts)), max_tokens)]
 
 
 @pytest.fixture(scope="module")
@@ -79,27 +91,34 @@ def vocab211(tmp_path_factory):
 @pytest.mark.slow
 def test_a_vocabulary_the_width_does_not_divide_is_padded(cluster, vocab211):
     prompts = [[t % 211 for t in p] for p in PROMPTS]
-    reference = generate(vocab211, prompts, 16)
-    assert generate(vocab211, prompts, 16, tp=2, distributed="ray") == reference
+    assert generate(vocab211, prompts, 16, tp=2, distributed="ray") == reference(vocab211, prompts, 16)
+
+
+# the fields that change the distribution travel in the prefill plan; log-probabilities come back with tokens
+FIELDS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3, presence_penalty=-1.0,
+                        frequency_penalty=-1.0, repetition_penalty=1.2, logit_bias={17: 2.0}, min_p=0.05,
+                        min_tokens=4, logprobs=2, prompt_logprobs=2)
+
+
+@functools.cache
+def in_process_fields():
+    """The in-process outputs (tokens, log-probabilities) under ``FIELDS``, computed once for both TP widths."""
+    with LLM(model="k2-tiny", **SPEC) as llm:
+        return llm.generate(prompt_token_ids=PROMPTS, sampling_params=FIELDS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp):
-    reference = generate("k2-tiny", PROMPTS, 24)
+    expected = reference("k2-tiny", PROMPTS, 24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    # the fields that change the distribution travel in the prefill plan; log-probabilities come back with tokens
-    fields = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3, presence_penalty=-1.0,
-                            frequency_penalty=-1.0, repetition_penalty=1.2, logit_bias={17: 2.0}, min_p=0.05,
-                            min_tokens=4, logprobs=2, prompt_logprobs=2)
-    with LLM(model="k2-tiny", **SPEC) as llm:
-        in_process_outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)
+    in_process_outs = in_process_fields()
     in_process = [o.outputs[0] for o in in_process_outs]
     free = ray.available_resources().get("CPU", 0)
     with LLM(model="k2-tiny", **SPEC, tp=tp, distributed="ray") as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-        assert tokens(outs) == reference
-        on_ray_outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=fields)
+        assert tokens(outs) == expected
+        on_ray_outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=FIELDS)
         on_ray = [o.outputs[0] for o in on_ray_outs]
         assert [c.token_ids for c in on_ray] == [c.token_ids for c in in_process]
         assert [list(d) for c in on_ray for d in c.logprobs] == [list(d) for c in in_process for d in c.logprobs]
@@ -125,8 +144,8 @@ def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp)
 @pytest.mark.parametrize("tp,ep", [(2, False), (4, False), (2, True)])
 def test_int4_checkpoint_on_ray_equals_in_process(cluster, int4_checkpoint, tp, ep):
     prompts = [[t % 320 for t in p] for p in PROMPTS]
-    reference = generate(int4_checkpoint, prompts, 16)
-    assert generate(int4_checkpoint, prompts, 16, tp=tp, expert_parallel=ep, distributed="ray") == reference
+    assert (generate(int4_checkpoint, prompts, 16, tp=tp, expert_parallel=ep, distributed="ray")
+            == reference(int4_checkpoint, prompts, 16))
 
 
 @pytest.mark.slow
@@ -177,7 +196,7 @@ def test_tp2_and_its_drafter_place_on_a_two_core_machine_without_a_hand_made_ray
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     cpus, tokens = json.loads(done.stdout.strip().splitlines()[-1])
-    assert cpus == 2 and tokens == generate("k2-tiny", [[5, 6, 7]], 8)[0]
+    assert cpus == 2 and tokens == reference("k2-tiny", [[5, 6, 7]], 8)[0]
 
 
 def test_group_join_timeout_names_the_absent_rank():
