@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -278,13 +279,30 @@ def test_gguf_matches_transformers_tp1_and_tp2(tmp_path, tied):
         assert rel_err(got, ref) < 1e-4
 
 
-def test_gguf_errors(tmp_path):
+def test_gguf_file_reads_what_the_gguf_package_reads(tmp_path):
+    """kdray's own GGUF reader against gguf's GGUFReader: every metadata value (type included) and every tensor's
+    type, shape and bytes (Q8_0, Q4_1, F16 and F32 ones)."""
     from gguf import GGUFReader
 
-    from kdray.model.gguf import GGUFTensors, gguf_config
+    from kdray.model.gguf import GGUFFile
+
+    write_gguf(tmp_path / "tiny.gguf", make_tiny(tmp_path, tied=False, llama3=True))
+    ours, theirs = GGUFFile(tmp_path / "tiny.gguf"), GGUFReader(tmp_path / "tiny.gguf")
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == expected
+    assert {k: type(v) for k, v in ours.fields.items()} == {k: type(v) for k, v in expected.items()}
+    assert len({t.tensor_type for t in ours.tensors}) == 4
+    assert [(t.name, t.tensor_type, tuple(t.shape)) for t in ours.tensors] == [
+        (t.name, t.tensor_type, tuple(int(d) for d in t.shape)) for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert np.array_equal(a.data.reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1)), a.name
+
+
+def test_gguf_errors(tmp_path):
+    from kdray.model.gguf import GGUFFile, GGUFTensors, gguf_config
 
     write_gguf(tmp_path / "tiny.gguf", make_tiny(tmp_path, tied=True, llama3=False))
-    reader = GGUFReader(tmp_path / "tiny.gguf")
+    reader = GGUFFile(tmp_path / "tiny.gguf")
     tensors = GGUFTensors(reader, gguf_config(reader, "tiny.gguf"), "tiny.gguf")
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' \(blk.0.attn_k.weight\) has "
                                          r"shape \[32, 64\], expected \[64, 64\]"):
@@ -292,8 +310,13 @@ def test_gguf_errors(tmp_path):
     with pytest.raises(ValueError, match="tensor 'lm_head.weight' is missing"):
         tensors.get("lm_head.weight", (96, 64))
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
-    with pytest.raises(ValueError, match="bad.gguf: cannot be read as GGUF"):
+    with pytest.raises(ValueError, match="bad.gguf: cannot be read as GGUF \\(no GGUF magic"):
         load_target(str(tmp_path / "bad.gguf"))
+    whole = (tmp_path / "tiny.gguf").read_bytes()
+    for size, why in ((1000, "truncated or corrupt header"), (len(whole) - 100, "past the file's")):
+        (tmp_path / "cut.gguf").write_bytes(whole[:size])
+        with pytest.raises(ValueError, match=f"cut.gguf: cannot be read as GGUF \\(.*{why}"):
+            load_target(str(tmp_path / "cut.gguf"))
 
 
 # ---------------------------------------------------------------- (b) SmolLM2-135M-Instruct from its GGUF
