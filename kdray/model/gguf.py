@@ -69,11 +69,11 @@ class GGUFFile:
         self._bytes = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # plain array over the map
         self._buf, self._pos = memoryview(self._bytes), 0
         try:
-            self._read(path)
+            self._read()
         except (struct.error, IndexError, UnicodeDecodeError) as e:
             raise ValueError(f"truncated or corrupt header ({e})") from None
 
-    def _read(self, path: Path):
+    def _read(self):
         if bytes(self._buf[:4]) != b"GGUF":
             raise ValueError("no GGUF magic at the start")
         self._pos = 4
@@ -116,6 +116,8 @@ class GGUFFile:
         if kind == _STRING:
             return self._string()
         if kind != _ARRAY:
+            if kind not in _SCALARS:
+                raise ValueError(f"unknown metadata value type {kind}")
             return self._scalar(kind)
         item, n = self._scalar(4), self._scalar(10)
         if item in _SCALARS:  # one numpy read for the whole array
