@@ -464,6 +464,26 @@ def test_cuda_wgmma_matches_reference(T, H, I, E, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(WGMMA_VARIANTS))
+def test_cuda_wgmma_every_pass_size(variant):
+    """Expert e gets e + 1 rows, e < 128: a pass of every size from 1 to 128 rows (every wgmma N of the swapped
+    GEMMs, each with padding columns) and, for the 64-row families, the split of a pass."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs an sm_90 GPU")
+    E, H, I, k = 128, 1024, 256, 8
+    gen = torch.Generator("cuda").manual_seed(128 + len(variant))
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    slots = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.arange(1, E + 1, device="cuda"))  # [8256]
+    ids = slots[torch.randperm(slots.numel(), device="cuda", generator=gen)].view(-1, k)  # [1032, 8]
+    x = torch.randn(ids.shape[0], H, device="cuda", generator=gen).to(torch.bfloat16)
+    weights = torch.rand(ids.shape, device="cuda", generator=gen)
+    poison_allocator()
+    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=variant)
+    ref = w4a16_moe_reference(x.float(), *tiled, ids, weights)
+    assert ((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).max() < 2e-2  # every token: every slot's pass is right
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", [SKINNY, *VARIANTS])
 @pytest.mark.parametrize("T,H,I,E,k", [(17, 7168, 256, 384, 8), (257, 320, 64, 32, 8), (1024, 512, 128, 64, 8)])
 def test_cuda_other_families_read_the_tiled_layout(T, H, I, E, k, variant):

@@ -846,13 +846,15 @@ MOE_WGMMA(wg64, 1)   // 64-row passes: both warpgroups on the same rows, 128 col
 MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns each
 
 // Swapped gate/up GEMM (moe_up_rs; sm_90a): the wgmma family's up GEMM transposed, for passes of up to RS_MT rows.
-// The weights are wgmma's A operand, dequantized from each thread's own 16-byte pieces straight into registers in the
+// The weights are wgmma's A operand, dequantized from each thread's 16-byte pieces straight into registers in the
 // tile path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage);
-// the pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns, N = rows rounded up to 32,
+// the pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns (with_pass_n),
 // staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. The block owns 128
 // outputs of h: warp w the 8 outputs o = 128 blockIdx.x + 8 w + g, as A rows g (gate) and g + 8 (up), so each thread
 // holds gate and up of its output for the same tokens. Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its
-// two weight rows (one scale each), copied 3 chunks ahead; word q of that piece feeds k16 steps 2q and 2q + 1. h
+// two weight rows (one scale each) from the chunk's weight stage, which thread 0 fills by TMA bulk copies 3 chunks
+// ahead (the block's 128 gate or up rows of a K tile are 4 KB contiguous in the tiled layout; H200: 3-8% faster than
+// every thread copying its own 16-byte pieces); word q of that piece feeds k16 steps 2q and 2q + 1. h
 // (natural k order for the wgmma down GEMM, the logical one for moe_down_rs: h_logical) goes out through shared
 // memory, 16 bytes per store.
 // Launch: grid (I / 128, max_passes), block RS_THREADS, shared RS_SMEM bytes; H % 256 == 0, I % 128 == 0.
@@ -860,9 +862,11 @@ MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns
 #define RS_THREADS 512                 // four warpgroups, 64 weight rows each
 #define RS_STAGES 4                    // chunks of x: the one in use, the one its last wgmmas may read, 2 ahead
 #define RS_HALF (RS_MT * 128)          // one 64-k half of a chunk: [RS_MT rows][128 B]
-#define RS_WSTAGES 4                   // chunks of weights in flight per thread: the one in use and 3 ahead
-#define RS_WSTAGE (RS_THREADS * 40)    // per thread: gate and up pieces (16 B each), their scale pairs (4 B each)
-#define RS_SMEM (1024 + RS_STAGES * 2 * RS_HALF + RS_WSTAGES * RS_WSTAGE)
+#define RS_WSTAGES 4                   // chunks of weights in flight: the one in use and 3 ahead
+#define RS_WTILE 8256                  // a stage's K tile: 128 gate rows x 32 B, 128 up rows (+ 64 B: fewer conflicts)
+#define RS_WSCALES 1088                // a K tile's scale pairs: 128 gate rows x 4 B, 128 up rows (+ 64 B)
+#define RS_WSTAGE (2 * RS_WTILE + 2 * RS_WSCALES)  // a chunk's two K tiles, then their scales
+#define RS_SMEM (1024 + RS_STAGES * 2 * RS_HALF + RS_WSTAGES * RS_WSTAGE + 8 * RS_WSTAGES)  // + the stages' mbarriers
 #define RS_H_PITCH 136                 // bf16 per row of the epilogue's h tile (128 outputs + 8: fewer bank conflicts)
 static_assert(RS_MT * RS_H_PITCH * 2 <= RS_STAGES * 2 * RS_HALF, "the epilogue's h tile reuses the stages");
 
@@ -898,6 +902,25 @@ __device__ __forceinline__ void rs_chunk(float (&acc)[NA], uint4 w0, uint4 w1, _
   }
 }
 
+template <int N>
+struct PassN {
+  static constexpr int value = N;
+};
+// f(PassN<N>()) for the wgmma N of a pass of `rows` rows: rows rounded up to 16, at least 32 (H200, K2 TP8, 4096
+// tokens: steps of 16 instead of 32 spare the tensor cores ~7% of the padding columns at 4096 tokens, ~19% at 2080).
+template <class F>
+__device__ __forceinline__ void with_pass_n(int rows, F&& f) {
+  switch ((rows + 15) >> 4) {
+    case 0: case 1: case 2: f(PassN<32>()); break;
+    case 3: f(PassN<48>()); break;
+    case 4: f(PassN<64>()); break;
+    case 5: f(PassN<80>()); break;
+    case 6: f(PassN<96>()); break;
+    case 7: f(PassN<112>()); break;
+    default: f(PassN<128>());
+  }
+}
+
 template <int NP>
 __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__ x_perm,
                                                const int* __restrict__ w13_packed,
@@ -905,7 +928,7 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
                                                const int* __restrict__ sorted_slot, int e, int row0, int rows,
                                                __nv_bfloat16* __restrict__ h, int k, int H, int I, int h_logical) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int B_PER = NP * 16 / RS_THREADS;  // 16-byte pieces of x per thread and chunk
+  constexpr int B_PER = (NP * 16 + RS_THREADS - 1) / RS_THREADS;  // 16-byte pieces of x per thread and chunk
   extern __shared__ unsigned char wg_smem[];
   const u32 base = (smem_u32(wg_smem) + 1023) & ~1023u;
   unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
@@ -929,59 +952,63 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
       if (b_off[i] >= 0) cp_async16(st + 32 * 128 * i, x_perm + b_off[i] + 128 * ch, true);
   };
 
-  // Weights: gate row o and up row I + o of the tiled w13 ([E][H/64][2I][8 words]); chunk ch is K tiles 2 ch and
-  // 2 ch + 1, the lane's piece is half c & 1 of K tile 2 ch + (c >> 1). Offsets in uint4 and in scales alike. Each
-  // thread copies its own two pieces and scale pairs into its slots of the weight ring, RS_WSTAGES - 1 chunks ahead,
-  // and reads them back itself (no barrier needed for them).
-  const int o = 128 * blockIdx.x + 8 * warp + g;
-  const size_t row = ((size_t)e * (H / 64) + (c >> 1)) * N2 + o, at = row * 2 + (c & 1);
-  const size_t step = (size_t)4 * N2, up = (size_t)2 * I;
-  const uint4* w_src = reinterpret_cast<const uint4*>(w13_packed) + at;
-  const __nv_bfloat16* s_src = w13_scale + (at & ~(size_t)1);  // the row's scale pair, 4-byte aligned
-  const u32 w_base = base + RS_STAGES * 2 * RS_HALF;
+  // Weights: gate rows 128 blockIdx.x .. + 127 and the up rows I above them of the tiled w13 ([E][H/64][2I][8 words]
+  // and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. Thread 0 copies each (K tile j, gate /
+  // up u) block of 128 rows to j * RS_WTILE + u * 4096 of the stage, its scales to 2 RS_WTILE + j * RS_WSCALES + u *
+  // 512, completing the stage's mbarrier; stage ch % RS_WSTAGES is refilled after the barrier of chunk ch - 1, whose
+  // threads have read it by then.
+  const u32 w_base = base + RS_STAGES * 2 * RS_HALF, bars = w_base + RS_WSTAGES * RS_WSTAGE;
+  const size_t row_b = (size_t)e * (H / 64) * N2 + 128 * blockIdx.x;  // K tile 0, gate, the block's first row
   auto load_w = [&](int ch) {
-    if (ch >= n_chunks) return;
-    const u32 st = w_base + (ch % RS_WSTAGES) * RS_WSTAGE;
+    if (tid != 0 || ch >= n_chunks) return;
+    const u32 st = w_base + (ch % RS_WSTAGES) * RS_WSTAGE, bar = bars + 8 * (ch % RS_WSTAGES);
+    mbar_expect_tx(bar, 4 * (4096 + 512));
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      cp_async16(st + u * RS_THREADS * 16 + tid * 16, w_src + ch * step + u * up, true);
-      cp_async4(st + 2 * RS_THREADS * 16 + u * RS_THREADS * 4 + tid * 4, s_src + ch * step + u * up, true);
-    }
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const size_t r = row_b + (size_t)(2 * ch + j) * N2 + u * I;
+        bulk_copy_g2s(st + j * RS_WTILE + u * 4096, reinterpret_cast<const uint4*>(w13_packed) + 2 * r, 4096, bar);
+        bulk_copy_g2s(st + 2 * RS_WTILE + j * RS_WSCALES + u * 512, w13_scale + 2 * r, 512, bar);
+      }
   };
+  if (tid == 0) {
+    for (int i = 0; i < RS_WSTAGES; ++i) mbar_init(bars + 8 * i, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int ol = 8 * warp + g;  // the lane's row among the block's 128 gate (and up) rows
 
   float acc[NP / 2];
 #pragma unroll
   for (int i = 0; i < NP / 2; ++i) acc[i] = 0.f;
-  // Copy groups, oldest first: the prologue's W0 X0 W1 X1 W2, then X(ch + 2) W(ch + 3) per chunk ch. Chunk ch waits
-  // for X(ch) (three groups younger than it may stay in flight), and the barrier also frees the x stage of chunk
-  // ch - 2 (only chunk ch - 1's last two wgmmas may still run).
+  // x copy groups, oldest first: X0 X1, then X(ch + 2) per chunk ch. Chunk ch waits for X(ch) (X(ch + 1) may stay in
+  // flight), and the barrier also frees the x stage of chunk ch - 2 (only chunk ch - 1's last two wgmmas may still
+  // run) and the weight stage of chunk ch - 1.
   load_w(0);
-  cp_async_commit();
-  load_x(0);
-  cp_async_commit();
   load_w(1);
+  load_w(2);
+  load_x(0);
   cp_async_commit();
   load_x(1);
   cp_async_commit();
-  load_w(2);
-  cp_async_commit();
   for (int ch = 0; ch < n_chunks; ++ch) {
-    cp_async_wait<3>();
+    cp_async_wait<1>();
     fence_proxy_async();
     __syncthreads();
     load_x(ch + 2);
     cp_async_commit();
     load_w(ch + 3);
-    cp_async_commit();
+    mbar_wait(bars + 8 * (ch % RS_WSTAGES), (ch / RS_WSTAGES) & 1);
     const u32 st = base + (ch % RS_STAGES) * 2 * RS_HALF;
     const unsigned char* wst = sbase + RS_STAGES * 2 * RS_HALF + (ch % RS_WSTAGES) * RS_WSTAGE;
     uint4 wv[2];
     __nv_bfloat162 sv[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      wv[u] = *reinterpret_cast<const uint4*>(wst + u * RS_THREADS * 16 + tid * 16);
-      sv[u] = __bfloat162bfloat162(
-          reinterpret_cast<const __nv_bfloat16*>(wst + 2 * RS_THREADS * 16 + u * RS_THREADS * 4 + tid * 4)[c & 1]);
+      wv[u] = *reinterpret_cast<const uint4*>(wst + (c >> 1) * RS_WTILE + u * 4096 + ol * 32 + (c & 1) * 16);
+      sv[u] = __bfloat162bfloat162(reinterpret_cast<const __nv_bfloat16*>(
+          wst + 2 * RS_WTILE + (c >> 1) * RS_WSCALES + u * 512 + ol * 4)[c & 1]);
     }
     rs_chunk(acc, wv[0], wv[1], sv[0], sv[1], st);  // rows g: gate, g + 8: up
   }
@@ -1016,34 +1043,32 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
     const int4* passes, __nv_bfloat16* h, int k, int H, int I, int h_logical) {
   if (blockIdx.y >= passes[0].x) return;
   const int4 p = passes[1 + blockIdx.y];
-  switch ((p.z + 31) >> 5) {  // N: the pass's rows rounded up to 32
-    case 1:
-      moe_up_rs_pass<32>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
-      break;
-    case 2:
-      moe_up_rs_pass<64>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
-      break;
-    case 3:
-      moe_up_rs_pass<96>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
-      break;
-    default:
-      moe_up_rs_pass<128>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
-  }
+  with_pass_n(p.z, [&](auto n) {
+    moe_up_rs_pass<decltype(n)::value>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I,
+                                       h_logical);
+  });
 }
 
 // Swapped down GEMM (moe_down_rs; sm_90a), moe_up_rs's partner when I <= RSD_MAX_I: y[slot, n] = topk_weight *
 // (W2 h)[n] for the pass's rows, as the wgmma family's down GEMM writes it. The pass's h rows (the logical k order,
 // from moe_up_rs) stay in shared memory as the N columns; the block streams tiles of 256 outputs, warp w owning
 // outputs n = 256 t + 16 w + g (A row g) and + 8 (row g + 8), their weights dequantized into registers from each
-// thread's own slots of a cp.async ring RSD_WSTAGES - 1 tiles ahead; no barrier inside the loop. The accumulators go
-// straight to y, bf16 pairs of adjacent outputs.
+// thread's own slots of a cp.async ring RSD_WSTAGES - 1 tiles ahead; no block barrier inside the loop. The
+// accumulators go to y through a staging tile per warpgroup, 32 tokens at a time: each token's 64 outputs of the
+// warpgroup leave as one 128-byte line (H200, 4096 tokens: y's stores from the registers, 16 bytes of a line per
+// warp instruction, took 167 of moe_down_rs's 422 us).
 // Launch: grid (ceil(n_tiles / tpb), max_passes), n_tiles = H / 256, block RS_THREADS, shared RSD_SMEM bytes;
 // H % 256 == 0, I % 128 == 0, I <= RSD_MAX_I.
 #define RSD_MAX_I 256
 #define RSD_WSTAGES 3
 #define RSD_PIECES (RSD_MAX_I / 64)  // 16-byte weight pieces per thread and tile: 2 rows x I / 128 chunks
 #define RSD_WSTAGE (RS_THREADS * RSD_PIECES * 20)  // per thread: the pieces (16 B each), their scale pairs (4 B each)
-#define RSD_SMEM (1024 + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE + RS_MT * 8)
+#define RSD_YPITCH 144  // bytes per token row of a y staging tile: 64 outputs + 16 B (conflict-free writes)
+#define RSD_YSTAGE (32 * RSD_YPITCH)  // a warpgroup's y staging tile: 32 tokens
+#define RSD_SMEM (1024 + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE + RS_MT * 8 + 4 * RSD_YSTAGE)
+
+// Barrier of warpgroup wg's 128 threads alone (named barrier 1 + wg).
+__device__ __forceinline__ void bar_sync_wg(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
 
 template <int NP>
 __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict__ h,
@@ -1063,6 +1088,7 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
   const u32 w_base = base + RS_MT * RSD_MAX_I * 2;
   int* slot_of = reinterpret_cast<int*>(sbase + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE);
   float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
+  unsigned char* y_stage = reinterpret_cast<unsigned char*>(weight_of + RS_MT) + (warp >> 2) * RSD_YSTAGE;
   for (int q = tid; q < rows * (I / 8); q += RS_THREADS) {
     const int r = q / (I / 8), u = q - r * (I / 8);
     cp_async16(base + (u >> 3) * RS_HALF + r * 128 + (((u & 7) ^ (r & 7)) << 4), h + (size_t)(row0 + r) * I + 8 * u,
@@ -1122,21 +1148,33 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
     wg_wait<0>();
     wg_pin(acc);
     // acc[4 j + v]: output row g + 8 (v >> 1) of the warp's 16, token 8 j + 2 c + (v & 1). Lanes g and g ^ 1 swap
-    // halves so that each holds one token's outputs n0, n0 + 1 and n0 + 8, n0 + 9 (n0 even): two 4-byte stores (a
-    // second swap for 8-byte stores measured no faster).
-    const int odd = g & 1, n0 = 256 * (tile0 + i) + 16 * warp + g - odd;
+    // halves so that each holds one token's outputs n0, n0 + 1 and n0 + 8, n0 + 9 (n0 even), weighted and rounded
+    // into the warpgroup's staging tile; its rows then go to y, 16 bytes per lane.
+    const int odd = g & 1, n0 = 16 * (warp & 3) + g - odd, wgt = tid & 127;  // n0 among the warpgroup's 64 outputs
+    __nv_bfloat16* const y_tile = y + 256 * (tile0 + i) + 64 * (warp >> 2);
 #pragma unroll
-    for (int j = 0; j < NP / 8; ++j) {
-      const float a0 = acc[4 * j], a1 = acc[4 * j + 1], b0 = acc[4 * j + 2], b1 = acc[4 * j + 3];
-      const float ra = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
-      const float rb = __shfl_xor_sync(0xffffffffu, odd ? b0 : b1, 4);
-      const int t = 8 * j + 2 * c + odd;
-      if (t < rows) {
-        const float wt = weight_of[t];
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(y + (size_t)slot_of[t] * H + n0);
+    for (int r = 0; r < (NP + 31) / 32; ++r) {  // tokens 32 r .. 32 r + 31
+      if (32 * r >= rows) break;
+#pragma unroll
+      for (int j = 4 * r; j < min(4 * r + 4, NP / 8); ++j) {
+        const float a0 = acc[4 * j], a1 = acc[4 * j + 1], b0 = acc[4 * j + 2], b1 = acc[4 * j + 3];
+        const float ra = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
+        const float rb = __shfl_xor_sync(0xffffffffu, odd ? b0 : b1, 4);
+        const int t = 8 * j + 2 * c + odd;
+        const float wt = t < rows ? weight_of[t] : 0.f;
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(y_stage + (t - 32 * r) * RSD_YPITCH) + n0 / 2;
         dst[0] = __floats2bfloat162_rn(wt * (odd ? ra : a0), wt * (odd ? a1 : ra));
         dst[4] = __floats2bfloat162_rn(wt * (odd ? rb : b0), wt * (odd ? b1 : rb));
       }
+      bar_sync_wg(warp >> 2);
+#pragma unroll
+      for (int q = wgt; q < 32 * 8; q += 128) {  // token 32 r + (q >> 3), 16-byte piece q & 7 of its 64 outputs
+        const int t = 32 * r + (q >> 3);
+        if (t < rows)
+          *reinterpret_cast<uint4*>(y_tile + (size_t)slot_of[t] * H + 8 * (q & 7)) =
+              *reinterpret_cast<const uint4*>(y_stage + (q >> 3) * RSD_YPITCH + 16 * (q & 7));
+      }
+      bar_sync_wg(warp >> 2);  // the tile is read before the next round writes it
     }
   }
   cp_async_wait<0>();
@@ -1150,19 +1188,10 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_down_rs(
     const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles, int tpb) {
   if (blockIdx.y >= passes[0].x) return;
   const int4 p = passes[1 + blockIdx.y];
-  switch ((p.z + 31) >> 5) {  // N: the pass's rows rounded up to 32
-    case 1:
-      moe_down_rs_pass<32>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
-      break;
-    case 2:
-      moe_down_rs_pass<64>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
-      break;
-    case 3:
-      moe_down_rs_pass<96>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
-      break;
-    default:
-      moe_down_rs_pass<128>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I, n_tiles, tpb);
-  }
+  with_pass_n(p.z, [&](auto n) {
+    moe_down_rs_pass<decltype(n)::value>(h, w2_packed, w2_scale, sorted_slot, topk_weights, p.x, p.y, p.z, y, H, I,
+                                         n_tiles, tpb);
+  });
 }
 
 // out[t] = bf16(sum over valid slots j in order of y[t k + j]) (+ add, rounded as in moe_finalize); ids < 0 or >= E

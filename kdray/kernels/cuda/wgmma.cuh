@@ -1,5 +1,5 @@
-// Hopper shared-memory and warpgroup-MMA (wgmma) helpers shared by tree_verify_attention.cu and w4a16_moe.cu.
-// The wgmma ones exist only when compiling for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL).
+// Hopper shared-memory, mbarrier / TMA bulk copy and warpgroup-MMA (wgmma) helpers shared by tree_verify_attention.cu
+// and w4a16_moe.cu. The wgmma ones exist only when compiling for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL).
 #pragma once
 
 typedef unsigned int u32;
@@ -13,17 +13,23 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 #define WG_ACC16 WG_ACC8(0), WG_ACC8(8)
-#define WG_ACC32 WG_ACC16, WG_ACC8(16), WG_ACC8(24)
-#define WG_ACC48 WG_ACC32, WG_ACC8(32), WG_ACC8(40)
-#define WG_ACC64 WG_ACC48, WG_ACC8(48), WG_ACC8(56)
+#define WG_ACC24 WG_ACC16, WG_ACC8(16)
+#define WG_ACC32 WG_ACC24, WG_ACC8(24)
+#define WG_ACC40 WG_ACC32, WG_ACC8(32)
+#define WG_ACC48 WG_ACC40, WG_ACC8(40)
+#define WG_ACC56 WG_ACC48, WG_ACC8(48)
+#define WG_ACC64 WG_ACC56, WG_ACC8(56)
 #define WG_ACC128 WG_ACC64, WG_ACC8(64), WG_ACC8(72), WG_ACC8(80), WG_ACC8(88), WG_ACC8(96), WG_ACC8(104), \
                   WG_ACC8(112), WG_ACC8(120)
 
 // The asm operand list of those accumulators, "%0, %1, ..., %(n - 1)".
 #define WG_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-#define WG_D32 WG_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define WG_D48 WG_D32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-#define WG_D64 WG_D48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_D24 WG_D16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define WG_D32 WG_D24 ", %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_D40 WG_D32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define WG_D48 WG_D40 ", %40, %41, %42, %43, %44, %45, %46, %47"
+#define WG_D56 WG_D48 ", %48, %49, %50, %51, %52, %53, %54, %55"
+#define WG_D64 WG_D56 ", %56, %57, %58, %59, %60, %61, %62, %63"
 #define WG_D80 WG_D64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
 #define WG_D96 WG_D80 ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define WG_D112 WG_D96 ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
@@ -46,6 +52,30 @@ __device__ __forceinline__ void wg_pin(float (&d)[N]) {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// mbarrier and TMA bulk copy (cp.async.bulk, global -> shared): a stage's copies complete_tx its mbarrier; the
+// consumers wait for the barrier's phase (parity), which flips once the expected bytes have all arrived.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n"
+      ::"r"(bar), "r"(parity)
+      : "memory");
+}
+// bytes (a multiple of 16; src and dst 16-byte aligned) from global src to shared dst, counted on bar.
+__device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
@@ -64,11 +94,11 @@ WGMMA_SS(64, 128, 64, 65, 66)
 WGMMA_SS(128, 256, 128, 129, 130)
 #undef WGMMA_SS
 
-// d[NA] += A[64x16] B[16xN], N = 2 NA = 32, 64, 96, 128 or 256: A from registers (a[4], the m16k16 fragment of the
-// thread's warp's 16 rows, as mma.sync's), B in 128B-swizzled shared memory, K-major (MN = 0) or MN-major (MN = 1).
-// wgmma reads a[] asynchronously: they stay unchanged until a wg_wait retires it (ptxas serializes the wgmmas, and
-// says so, where they might not). The asm operands: the NA accumulators, a[0..3] (A0..A0 + 3), the descriptor (DB),
-// the scale-d predicate's source (P, always 1) and MN (T).
+// d[NA] += A[64x16] B[16xN], N = 2 NA = 32 to 128 in steps of 16, or 256: A from registers (a[4], the m16k16
+// fragment of the thread's warp's 16 rows, as mma.sync's), B in 128B-swizzled shared memory, K-major (MN = 0) or
+// MN-major (MN = 1). wgmma reads a[] asynchronously: they stay unchanged until a wg_wait retires it (ptxas serializes
+// the wgmmas, and says so, where they might not). The asm operands: the NA accumulators, a[0..3] (A0..A0 + 3), the
+// descriptor (DB), the scale-d predicate's source (P, always 1) and MN (T).
 #define WGMMA_RS(NA, N, A0, A1, A2, A3, DB, P, T)                                                     \
   template <int MN>                                                                                  \
   __device__ __forceinline__ void wgmma_rs(float(&d)[NA], const u32(&a)[4], u64 db) {                \
@@ -79,8 +109,11 @@ WGMMA_SS(128, 256, 128, 129, 130)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1), "n"(MN));            \
   }
 WGMMA_RS(16, 32, 16, 17, 18, 19, 20, 21, 22)
+WGMMA_RS(24, 48, 24, 25, 26, 27, 28, 29, 30)
 WGMMA_RS(32, 64, 32, 33, 34, 35, 36, 37, 38)
+WGMMA_RS(40, 80, 40, 41, 42, 43, 44, 45, 46)
 WGMMA_RS(48, 96, 48, 49, 50, 51, 52, 53, 54)
+WGMMA_RS(56, 112, 56, 57, 58, 59, 60, 61, 62)
 WGMMA_RS(64, 128, 64, 65, 66, 67, 68, 69, 70)
 WGMMA_RS(128, 256, 128, 129, 130, 131, 132, 133, 134)
 #undef WGMMA_RS
