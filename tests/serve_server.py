@@ -1,12 +1,15 @@
 """A real Ray Serve instance on localhost for the serve and batch tests, and the tiny models they use."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import requests
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
@@ -45,6 +48,17 @@ def make_chat_checkpoint(path: Path) -> Path:
     return path
 
 
+@contextmanager
+def deployment_options(**options):
+    """Serve deployment options (``Deployment.options``) added to those of every app ``kdray.serve.app`` builds
+    meanwhile: for what a test only waits on (a health-check period, constructor retries)."""
+    from kdray.serve import server
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server.KdrayServer, "options", functools.partial(server.KdrayServer.options, **options))
+        yield
+
+
 class ServeCluster:
     """Serve on a free localhost port of the running Ray cluster; apps are added by route prefix."""
 
@@ -56,16 +70,18 @@ class ServeCluster:
         self.apps: dict[str, str] = {}  # route prefix -> app name
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
-    def deploy(self, apps: dict[str, dict]) -> str:
-        """Run ``{route_prefix: builder args}`` (each under a name of its own) and wait until every one answers
-        ``/health``; return the base URL."""
+    def deploy(self, apps: dict[str, dict], **options) -> str:
+        """Run ``{route_prefix: builder args}`` (each under a name of its own, with the Serve ``options`` of
+        :func:`deployment_options`) and wait until every one answers ``/health``; return the base URL. A replica
+        stopping looks for requests in flight every 0.1 s (Serve's default: 2 s, paid again at the run's end)."""
         from ray import serve
 
         from kdray.serve import app
 
-        for prefix, args in apps.items():
-            name = self.apps[prefix] = "app-" + (prefix.strip("/").replace("/", "-") or "root")
-            serve.run(app(args), name=name, route_prefix=prefix, blocking=False)
+        with deployment_options(**{"graceful_shutdown_wait_loop_s": 0.1} | options):
+            for prefix, args in apps.items():
+                name = self.apps[prefix] = "app-" + (prefix.strip("/").replace("/", "-") or "root")
+                serve.run(app(args), name=name, route_prefix=prefix, blocking=False)
         deadline = time.monotonic() + 120
         for prefix in apps:
             while requests.get(f"{self.base}{prefix.rstrip('/')}/health", timeout=10).status_code != 200:

@@ -199,10 +199,12 @@ def test_a_job_whose_replicas_keep_dying_is_failed_not_restarted_forever(tmp_pat
 
 @pytest.fixture(scope="module")
 def server(serve_cluster, tmp_path_factory):
-    """k2-tiny at ``/batch`` of the shared Serve instance (tests that use it are marked slow)."""
+    """k2-tiny at ``/batch`` of the shared Serve instance (tests that use it are marked slow). Serve's health check
+    runs every second (its default: 10 s), so the replica a test kills is replaced within a second or so."""
     batch_dir = tmp_path_factory.mktemp("batches")
     base = serve_cluster.deploy({"/batch": {"model": "k2-tiny", "device": "cpu", "max_num_seqs": 4,
-                                            "max_file_bytes": 65536, "batch_dir": str(batch_dir)}})
+                                            "max_file_bytes": 65536, "batch_dir": str(batch_dir)}},
+                                health_check_period_s=1)
     return f"{base}/batch", batch_dir
 
 
@@ -232,7 +234,7 @@ def _poll_batch(client, batch_id, timeout=180.0):
         except (openai.APIConnectionError, openai.InternalServerError):  # a replica restarting
             pass
         assert time.monotonic() < deadline, "the batch did not finish"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Llama-family target against HF transformers: random tiny checkpoints and SmolLM2-135M from its GGUF."""
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -323,12 +324,19 @@ def test_gguf_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm(smollm2):
-    """kdray's SmolLM2 and transformers' own GGUF load of the same file (fp32 both)."""
+    """kdray's SmolLM2 and transformers' own GGUF load of the same file (fp32 both). transformers parses the file
+    with ``gguf.GGUFReader`` three times (config, weights, tokenizer; ~3.5 s each on two cores) and rebuilds gguf's
+    tensor-name map per module: both are read-only, so each is made once here."""
+    import gguf
+
     from kdray.model.gguf import smollm2_path
 
     path = smollm2_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("GGUFReader", "get_tensor_name_map"):  # transformers imports both from gguf on each call
+            mp.setattr(gguf, name, functools.cache(getattr(gguf, name)))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return smollm2, hf.eval(), hf_tok
 
 

@@ -18,7 +18,7 @@ import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from ray.serve import Application
-from serve_server import make_chat_checkpoint, metric
+from serve_server import deployment_options, make_chat_checkpoint, metric
 
 from kdray import LLM, SamplingParams
 from kdray.engine.args import DEFAULT_MODEL
@@ -403,14 +403,16 @@ def test_metrics_in_prometheus_format(server):
 
 
 def test_an_engine_that_cannot_start_reports_its_own_error(serve_cluster, tmp_path):
-    """Serve's status names the real error, and the replicas' logs hold no second one from the cleanup."""
+    """Serve's status names the real error, and the replicas' logs hold no second one from the cleanup (one
+    replica tried: Serve's default tries three, each failing the same way)."""
     import glob
 
     import ray
     from ray import serve
 
     (tmp_path / "config.json").write_text(json.dumps({**K2_TINY}))  # a config without weights
-    with pytest.raises(RuntimeError, match="Deploying application app-broken failed"):
+    with (deployment_options(max_constructor_retry_count=1),
+          pytest.raises(RuntimeError, match="Deploying application app-broken failed")):
         serve.run(app({"model": str(tmp_path), "device": "cpu"}), name="app-broken", route_prefix="/broken")
     try:
         (deployment,) = serve.status().applications["app-broken"].deployments.values()
