@@ -21,9 +21,10 @@ import time
 
 import torch
 
+from kdray.engine.request import StructuredOutputsParams
 from kdray.model.gguf import smollm2_path
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
-from kdray.spec.grammar import Grammars, StructuredOutputsParams, byte_level_alphabet
+from kdray.spec.grammar import Grammars, byte_level_alphabet
 
 VOCAB = 163840
 SPECIALS = 256  # K2's block of special ids at the end of the vocabulary; the first is EOS here

@@ -1,7 +1,18 @@
 """kdray: Kimi-K2-class MoE inference with DDTree speculative decoding, on Ray."""
-from kdray.engine.request import CompletionOutput, RequestOutput, SamplingParams
-from kdray.llm import LLM
-from kdray.spec.grammar import StructuredOutputsParams
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+_EXPORTS = {"LLM": "kdray.llm", "SamplingParams": "kdray.engine.request", "RequestOutput": "kdray.engine.request",
+            "CompletionOutput": "kdray.engine.request", "StructuredOutputsParams": "kdray.engine.request"}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """The public names load on first use, so that what needs no engine (the CLI's HTTP commands) imports no torch."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kdray' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

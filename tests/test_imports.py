@@ -30,10 +30,18 @@ def kdray_imports() -> dict[str, set[str]]:
 
 
 def test_import_kdray_stays_off_ray_and_the_actors():
-    code = ("import sys, kdray; bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith('kdray.actors') "
+    code = ("import sys; from kdray import *; LLM, SamplingParams, StructuredOutputsParams; "
+            "bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith('kdray.actors') "
             "or m.startswith('kdray.serve.server')); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_cli_and_its_batch_client_import_no_torch():
+    """``kdray batch submit`` is an HTTP client: it starts without torch (~2 s) and runs where torch is absent."""
+    code = "import sys, kdray, kdray.cli, kdray.serve.batch; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_no_import_cycles_between_kdray_modules():

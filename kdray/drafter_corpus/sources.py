@@ -61,18 +61,21 @@ def python_files(packages: list[str] | None) -> Iterator[tuple[str, Path, Path]]
     """(distribution, .py file, its path under the install root) of the standard library (as ``python``) and
     every installed distribution (or only ``packages``), tests and vendored copies left out, sorted."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    dists = {"python": sorted((p, p.relative_to(stdlib)) for p in stdlib.rglob("*.py"))}
+    dists: dict[str, importlib.metadata.Distribution | None] = {"python": None}  # None: the standard library
     for d in importlib.metadata.distributions():
         name = d.metadata["Name"]
         if name and name not in dists:
-            dists[name] = sorted((Path(d.locate_file(f)), Path(f)) for f in d.files or [] if f.suffix == ".py")
+            dists[name] = d
     wanted = set(dists) if packages is None else set(packages)
     unknown = wanted - set(dists)
     if unknown:
         raise ValueError(f"--packages: {', '.join(sorted(unknown))} not installed (installed: python and "
                          f"{len(dists) - 1} distributions; `pip list` names them)")
-    for name in sorted(wanted, key=str.lower):
-        for path, rel in dists[name]:
+    for name in sorted(wanted, key=str.lower):  # only the wanted ones are listed (the standard library is ~1 s)
+        d = dists[name]
+        files = (sorted((p, p.relative_to(stdlib)) for p in stdlib.rglob("*.py")) if d is None else
+                 sorted((Path(d.locate_file(f)), Path(f)) for f in d.files or [] if f.suffix == ".py"))
+        for path, rel in files:
             if not SKIP_DIRS & set(rel.parts[:-1]) and not rel.name.startswith("test_") and rel.parts[0] != "..":
                 yield name, path, rel
 
