@@ -1084,7 +1084,8 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int tile0 = blockIdx.x * tpb, tiles = min(tile0 + tpb, n_tiles) - tile0, n_chunks = I / 128;
   const int pieces = 2 * n_chunks;  // per thread and tile
-  // h rows [NP][I] in 64-k blocks of [RS_MT rows][128 B], swizzled; then the weight ring; then slots and weights.
+  // h rows [NP][I] in 64-k blocks of [RS_MT rows][128 B], swizzled; then the weight ring; then slots and weights; then
+  // the warpgroups' y staging tiles.
   const u32 w_base = base + RS_MT * RSD_MAX_I * 2;
   int* slot_of = reinterpret_cast<int*>(sbase + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE);
   float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
