@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from kdray.engine.request import StructuredOutputsParams
 from kdray.model.gguf import smollm2_path
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
 from kdray.spec.grammar import Grammars, byte_level_alphabet
+from kdray.spec.structured_outputs import StructuredOutputsParams
 
 VOCAB = 163840
 SPECIALS = 256  # K2's block of special ids at the end of the vocabulary; the first is EOS here

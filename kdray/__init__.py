@@ -2,7 +2,7 @@
 import importlib
 
 _EXPORTS = {"LLM": "kdray.llm", "SamplingParams": "kdray.engine.request", "RequestOutput": "kdray.engine.request",
-            "CompletionOutput": "kdray.engine.request", "StructuredOutputsParams": "kdray.engine.request"}
+            "CompletionOutput": "kdray.engine.request", "StructuredOutputsParams": "kdray.spec.structured_outputs"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 

@@ -1,9 +1,10 @@
-"""What users pass in (``SamplingParams``, ``StructuredOutputsParams``) and get back (``RequestOutput``), following
-vLLM's names."""
+"""What users pass in (``SamplingParams``) and get back (``RequestOutput``), following vLLM's names."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from kdray.spec.structured_outputs import StructuredOutputsParams
 
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device; the engine draws its own from 63 bits
 MAX_TOP_K = 1 << 20  # beyond any vocabulary, where top_k is the same as off
@@ -17,38 +18,6 @@ MAX_LOGPROBS = 20  # top log-probabilities per token
 MAX_BAN = 96  # tokens min_tokens masks: the EOS ids (unless ignore_eos) and stop_token_ids
 # The features of a request that cost the step something; a batch pays for those its requests use
 FEATURES = ("bias", "logprobs", "min_p", "min_tokens", "penalties")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """What the output must follow (vLLM's names), exactly one of: ``json``, a JSON schema (a dict or JSON text;
-    ``disable_additional_properties`` also forbids the properties a schema leaves open, as OpenAI's ``strict``);
-    ``json_object=True``, any JSON object; ``structural_tag``, an xgrammar structural tag as JSON text (forced tool
-    calls are one). The output ends where the grammar does (the model's EOS)."""
-
-    json: dict | str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_additional_properties: bool = False
-
-    def __post_init__(self):
-        given = [name for name in ("json", "json_object", "structural_tag") if getattr(self, name) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError("StructuredOutputsParams takes exactly one of json (a JSON schema), json_object=True or "
-                             f"structural_tag (got {given or 'none'})")
-        checks = [(self.json is None or isinstance(self.json, (dict, str)), "json", "a JSON schema (a dict or text)"),
-                  (self.json_object in (None, True), "json_object", "True or None"),
-                  (self.structural_tag is None or isinstance(self.structural_tag, str), "structural_tag",
-                   "JSON text"),
-                  (isinstance(self.disable_additional_properties, bool), "disable_additional_properties", "a bool")]
-        for ok, name, what in checks:
-            if not ok:
-                raise ValueError(f"StructuredOutputsParams.{name} must be {what}")
-
-    @property
-    def field(self) -> str:
-        """The field that holds the grammar."""
-        return "json" if self.json is not None else "json_object" if self.json_object else "structural_tag"
 
 
 @dataclass
@@ -66,9 +35,9 @@ class SamplingParams:
     and top-p. ``logprobs`` = k reports each emitted token's log-probability and the k likeliest (see
     :class:`Logprob`); ``prompt_logprobs`` = k the same for every prompt token after the first, given the tokens
     before it (the prompt is then prefilled whole, never from the prefix cache). ``structured_outputs``
-    (:class:`StructuredOutputsParams`) constrains the output to a grammar (a JSON schema, any JSON
-    object, a structural tag): tokens it does not allow get no probability, and the request stops where the grammar
-    ends."""
+    (:class:`~kdray.spec.structured_outputs.StructuredOutputsParams`) constrains the output to a grammar (a JSON
+    schema, any JSON object, a structural tag): tokens it does not allow get no probability, and the request stops
+    where the grammar ends."""
 
     max_tokens: int = 16
     temperature: float = 0.0

@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kdray.engine.request import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
-                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K, MAX_VOCAB, SamplingParams, StructuredOutputsParams)
+                                  MAX_SEED, MAX_TOKENS, MAX_TOP_K, MAX_VOCAB, SamplingParams)
+from kdray.spec.structured_outputs import StructuredOutputsParams
 
 MAX_N = 16  # choices per request
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request

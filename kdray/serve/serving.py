@@ -15,13 +15,14 @@ from dataclasses import dataclass, field, replace
 
 from kdray.actors.channel import WorkerFailure
 from kdray.engine.engine import RunnerFailure
-from kdray.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams
+from kdray.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from kdray.model.tokenizer import ChatTemplateError
 from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, QueueFull, RequestStream
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
 from kdray.serve.tool_calls import ParsedCall, ToolCallParser
+from kdray.spec.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("kdray.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context

@@ -20,9 +20,9 @@ import threading
 
 import torch
 
-from kdray.engine.request import StructuredOutputsParams
 from kdray.kernels.tree_build import DraftTree
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
+from kdray.spec.structured_outputs import StructuredOutputsParams
 
 SPECIAL_LEAD = b"\xff"  # before a special token's name: no UTF-8 text holds this byte
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")  # "[time] file.cc:12: "
