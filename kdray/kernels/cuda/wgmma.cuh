@@ -1,5 +1,6 @@
 // Hopper shared-memory, mbarrier / TMA bulk copy and warpgroup-MMA (wgmma) helpers shared by tree_verify_attention.cu
-// and w4a16_moe.cu. The wgmma ones exist only when compiling for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL).
+// and w4a16_moe.cu. All but smem_u32 and the operand-list macros exist only when compiling for sm_90a
+// (__CUDA_ARCH_FEAT_SM90_ALL).
 #pragma once
 
 typedef unsigned int u32;
