@@ -906,12 +906,14 @@ template <int N>
 struct PassN {
   static constexpr int value = N;
 };
-// f(PassN<N>()) for the wgmma N of a pass of `rows` rows: rows rounded up to 16, at least 32 (H200, K2 TP8, 4096
-// tokens: steps of 16 instead of 32 spare the tensor cores ~7% of the padding columns at 4096 tokens, ~19% at 2080).
+// f(PassN<N>()) for the wgmma N of a pass of `rows` rows: rows rounded up to 8 up to 32, then to 16 (H200, K2 TP8:
+// steps of 16 instead of 32 spare the tensor cores ~7% of the padding columns at 4096 tokens, ~19% at 2080; steps of
+// 8 up to 32 ~22% at 1024, where passes have ~21 rows).
 template <class F>
 __device__ __forceinline__ void with_pass_n(int rows, F&& f) {
   switch ((rows + 15) >> 4) {
-    case 0: case 1: case 2: f(PassN<32>()); break;
+    case 0: case 1: f(PassN<16>()); break;
+    case 2: rows > 24 ? f(PassN<32>()) : f(PassN<24>()); break;
     case 3: f(PassN<48>()); break;
     case 4: f(PassN<64>()); break;
     case 5: f(PassN<80>()); break;

@@ -10,21 +10,25 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
 
 // A wgmma's fp32 accumulator operands d[0..N-1], read and written ("+f"), for the asm statements below and in
 // the kernels that include this file.
-#define WG_ACC8(i)                                                                                              \
+#define WG_ACC_AT8(i)                                                                                           \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
-#define WG_ACC16 WG_ACC8(0), WG_ACC8(8)
-#define WG_ACC24 WG_ACC16, WG_ACC8(16)
-#define WG_ACC32 WG_ACC24, WG_ACC8(24)
-#define WG_ACC40 WG_ACC32, WG_ACC8(32)
-#define WG_ACC48 WG_ACC40, WG_ACC8(40)
-#define WG_ACC56 WG_ACC48, WG_ACC8(48)
-#define WG_ACC64 WG_ACC56, WG_ACC8(56)
-#define WG_ACC128 WG_ACC64, WG_ACC8(64), WG_ACC8(72), WG_ACC8(80), WG_ACC8(88), WG_ACC8(96), WG_ACC8(104), \
-                  WG_ACC8(112), WG_ACC8(120)
+#define WG_ACC8 WG_ACC_AT8(0)
+#define WG_ACC12 WG_ACC8, "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+#define WG_ACC16 WG_ACC8, WG_ACC_AT8(8)
+#define WG_ACC24 WG_ACC16, WG_ACC_AT8(16)
+#define WG_ACC32 WG_ACC24, WG_ACC_AT8(24)
+#define WG_ACC40 WG_ACC32, WG_ACC_AT8(32)
+#define WG_ACC48 WG_ACC40, WG_ACC_AT8(40)
+#define WG_ACC56 WG_ACC48, WG_ACC_AT8(48)
+#define WG_ACC64 WG_ACC56, WG_ACC_AT8(56)
+#define WG_ACC128 WG_ACC64, WG_ACC_AT8(64), WG_ACC_AT8(72), WG_ACC_AT8(80), WG_ACC_AT8(88), WG_ACC_AT8(96), \
+                  WG_ACC_AT8(104), WG_ACC_AT8(112), WG_ACC_AT8(120)
 
 // The asm operand list of those accumulators, "%0, %1, ..., %(n - 1)".
-#define WG_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define WG_D12 WG_D8 ", %8, %9, %10, %11"
+#define WG_D16 WG_D12 ", %12, %13, %14, %15"
 #define WG_D24 WG_D16 ", %16, %17, %18, %19, %20, %21, %22, %23"
 #define WG_D32 WG_D24 ", %24, %25, %26, %27, %28, %29, %30, %31"
 #define WG_D40 WG_D32 ", %32, %33, %34, %35, %36, %37, %38, %39"
@@ -95,7 +99,7 @@ WGMMA_SS(64, 128, 64, 65, 66)
 WGMMA_SS(128, 256, 128, 129, 130)
 #undef WGMMA_SS
 
-// d[NA] += A[64x16] B[16xN], N = 2 NA = 32 to 128 in steps of 16, or 256: A from registers (a[4], the m16k16
+// d[NA] += A[64x16] B[16xN], N = 2 NA = 16, 24, 32 to 128 in steps of 16, or 256: A from registers (a[4], the m16k16
 // fragment of the thread's warp's 16 rows, as mma.sync's), B in 128B-swizzled shared memory, K-major (MN = 0) or
 // MN-major (MN = 1). wgmma reads a[] asynchronously: they stay unchanged until a wg_wait retires it (ptxas serializes
 // the wgmmas, and says so, where they might not). The asm operands: the NA accumulators, a[0..3] (A0..A0 + 3), the
@@ -109,6 +113,8 @@ WGMMA_SS(128, 256, 128, 129, 130)
                  : WG_ACC##NA                                                                        \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1), "n"(MN));            \
   }
+WGMMA_RS(8, 16, 8, 9, 10, 11, 12, 13, 14)
+WGMMA_RS(12, 24, 12, 13, 14, 15, 16, 17, 18)
 WGMMA_RS(16, 32, 16, 17, 18, 19, 20, 21, 22)
 WGMMA_RS(24, 48, 24, 25, 26, 27, 28, 29, 30)
 WGMMA_RS(32, 64, 32, 33, 34, 35, 36, 37, 38)
