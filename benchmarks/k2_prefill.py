@@ -40,9 +40,10 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: a --base kdray can come first
 import kdray  # noqa: E402
 from benchmarks.common import Ceilings, print_table, time_us  # noqa: E402
-from benchmarks.k2_step import PAGE, fill_random, matmul_params, random_shard, shard_config  # noqa: E402
+from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
 from kdray.config import K2Config, LlamaConfig  # noqa: E402
 from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
+from kdray.model.dummy import fill_random  # noqa: E402
 from kdray.model.llama import LlamaModel  # noqa: E402
 
 # SmolLM2-135M-Instruct's dimensions (its GGUF's metadata), for the Llama-family rows

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import statistics
 import sys
 import time
@@ -37,6 +38,7 @@ import kdray  # noqa: E402
 from benchmarks.common import Ceilings, print_table  # noqa: E402
 from kdray.config import K2Config  # noqa: E402
 from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
+from kdray.model.dummy import fill_random  # noqa: E402
 from kdray.model.k2 import K2Model, MoE  # noqa: E402
 
 PAGE = 64
@@ -45,9 +47,9 @@ HEADER = ["batch x nodes", "tokens", "experts / layer", "time ms", "floor ms", "
           "kernels / layer", "TP8 step ms"]
 
 
-def shard_config(layers: int) -> K2Config:
-    """K2 (Thinking: INT4 experts, YaRN 64) as one TP8 shard computes it."""
-    return K2Config.from_hf({
+def shard_hf_config(layers: int) -> dict:
+    """K2 (Thinking: INT4 experts, YaRN 64) as one TP8 shard computes it, as an HF ``config.json``'s dict."""
+    return {
         "model_type": "kimi_k2", "vocab_size": 163840 // 8, "hidden_size": 7168, "intermediate_size": 18432 // 8,
         "moe_intermediate_size": 2048 // 8, "num_hidden_layers": layers, "first_k_dense_replace": 1,
         "num_attention_heads": 64 // 8, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
@@ -57,38 +59,26 @@ def shard_config(layers: int) -> K2Config:
         "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-            "g": {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}}}})
+            "g": {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}}}}
+
+
+def shard_config(layers: int) -> K2Config:
+    """The shard's parsed config."""
+    return K2Config.from_hf(shard_hf_config(layers))
+
+
+def write_shard_config(path: Path, layers: int) -> Path:
+    """The shard as a checkpoint directory with only its ``config.json`` (served with ``load_format="dummy"``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(shard_hf_config(layers), indent=1))
+    return path
 
 
 def random_shard(cfg: K2Config) -> K2Model:
-    """The shard with every parameter filled in place on the GPU (no host copy of the ~65 GB)."""
+    """The shard with random weights made in place on the GPU (no host copy of the ~65 GB), laid out as a load
+    leaves them there."""
     with torch.device("cuda"):
-        model = fill_random(K2Model(cfg, torch.bfloat16))
-    for m in model.modules():  # as MoE.load leaves them on a GPU: the tiled INT4 layout
-        if isinstance(m, MoE):
-            m.tile_experts()
-    return model
-
-
-@torch.no_grad()
-def fill_random(model: torch.nn.Module) -> torch.nn.Module:
-    """``model``'s parameters and buffers filled in place, seeded (INT4 experts as random bytes: every nibble
-    uniform, so no expert row shares a common-mode part and tokens route apart as K2's do)."""
-    torch.manual_seed(0)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("inv_freq"):
-            continue
-        if t.dtype == torch.int32:
-            t.view(torch.uint8).random_()  # packed INT4 words: every nibble uniform in [0, 16)
-        elif name.endswith("_scale"):
-            t.uniform_(0.5, 1.5).div_(5 * (32 * t.shape[-1]) ** 0.5)  # weights near 1 / sqrt(in_features)
-        elif name.endswith("e_score_correction_bias"):
-            t.uniform_(0, 0.1)
-        elif t.dim() == 1:
-            t.uniform_(0.9, 1.1)
-        else:
-            t.normal_(0, t.shape[-1] ** -0.5)
-    return model.eval()
+        return fill_random(K2Model(cfg, torch.bfloat16))
 
 
 def weight_bytes(model: K2Model, cfg: K2Config) -> tuple[int, int, int]:

@@ -14,7 +14,13 @@ loads a server that is already running). Workloads (``--workload``):
 - ``long-prompt``: C streams decode while a ``--long-tokens`` prompt arrives every ``--long-every`` seconds:
   the streams' gaps between chunks, median and p99 (compare ``--args '{"prefill_chunk": 100000}'``).
 
+``--model k2-shard`` serves one TP8 shard of Kimi K2 at real dimensions (``k2_step.py``'s config, ``--layers`` of
+them) with random weights made on the GPU (``load_format="dummy"``: no checkpoint on disk), plain decoding, with
+``ttft_engine.py``'s settings; it has no tokenizer, so ``shared-prefix`` (its only workload) sends completions of
+token ids: a random ``--prefix-tokens`` prefix shared by every request, then 32 ids of its own.
+
     python benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --md serve.md
+    python benchmarks/serve_load.py --model k2-shard --workload shared-prefix
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import datetime
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,12 +39,16 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
 
+K2_SHARD = "k2-shard"  # --model: K2's TP8 shard with random weights, served from its config alone
+
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--specs", nargs="+", default=["ar", "chain", "ddtree:auto"],
-                    help="modes to deploy in turn: ar, chain, ddtree:<budget> (a number or auto)")
+    ap.add_argument("--model", default="smollm2-135m", help=f"a model name or path, or {K2_SHARD}")
+    ap.add_argument("--layers", type=int, default=61, help=f"{K2_SHARD}: decoder layers")
+    ap.add_argument("--specs", nargs="+",
+                    help="modes to deploy in turn: ar, chain, ddtree:<budget> (a number or auto); default: ar chain "
+                         f"ddtree:auto ({K2_SHARD}: ar, it has no drafter)")
     ap.add_argument("--url", help="load this running server instead of deploying (one mode: the server's)")
     ap.add_argument("--args", default="{}", help="more Serve builder arguments, as JSON")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -50,7 +61,26 @@ def parse_args(argv):
     ap.add_argument("--long-every", type=float, default=2.0, help="long-prompt: seconds between arrivals")
     ap.add_argument("--label", default="", help="a note for the table's first column (what --args changed)")
     ap.add_argument("--md", type=Path)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.model == K2_SHARD and args.workload != "shared-prefix":
+        ap.error(f"--model {K2_SHARD} has no tokenizer: it runs --workload shared-prefix (token-id prompts) only")
+    args.specs = args.specs or (["ar"] if args.model == K2_SHARD else ["ar", "chain", "ddtree:auto"])
+    return args
+
+
+def k2_shard_settings(prefix_tokens: int) -> dict:
+    """Engine settings for the K2 shard (no drafter: plain decoding), with a context for ``prefix_tokens``-token
+    prompts and a few requests at once (room for the KV cache beside the ~65 GB of weights)."""
+    return {"spec": "ar", "max_num_seqs": 4, "max_model_len": prefix_tokens + 256}
+
+
+def id_prompts(vocab: int, n: int, prefix_tokens: int) -> list[list[int]]:
+    """``n`` prompts of random ids (seeded): the same ``prefix_tokens`` first, then 32 of their own."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(vocab, (prefix_tokens,), generator=g).tolist()
+    return [prefix + torch.randint(vocab, (32,), generator=g).tolist() for _ in range(n)]
 
 
 def prompts(n: int = 64) -> list[str]:
@@ -71,20 +101,31 @@ def words(n: int) -> str:
     return text[:4 * n]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str, text: str, max_tokens: int,
-                      system: str | None = None) -> dict:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+def request_body(model: str, prompt: str | list[int], max_tokens: int, system: str | None = None) -> tuple[str, dict]:
+    """(path, body) of one streamed greedy request: a chat of ``prompt``'s text (after the ``system`` prompt), or
+    for a list of token ids (a model without a tokenizer) a completion that returns the output's token ids."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if isinstance(prompt, list):
+        return "/v1/completions", {**body, "prompt": prompt, "return_token_ids": True}
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return "/v1/chat/completions", {**body, "messages": messages}
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: str | list[int], max_tokens: int,
+                      system: str | None = None) -> dict:
+    """Stream one request (see :func:`request_body`): time to the first chunk with output (chat text or token ids),
+    output tokens, decode rate after it and the gaps between chunks."""
+    path, body = request_body(model, prompt, max_tokens, system)
     start, first, tokens, stamps = time.perf_counter(), None, 0, []
-    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+    async with session.post(f"{url}{path}", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for line in r.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if any(c["delta"].get("content") for c in chunk["choices"]):
+            if any(c.get("token_ids") or c.get("delta", {}).get("content") for c in chunk["choices"]):
                 stamps.append(time.perf_counter())
                 first = first or stamps[-1]
             if chunk.get("usage"):
@@ -133,14 +174,20 @@ def since(after: dict[str, float], before: dict[str, float], key: str) -> float:
 
 
 async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
-    """Requests one at a time, each the same long system prompt and a short question: TTFT after the first, at
-    the client, in the replica (its handler -> the first token's chunk) and in the engine (submission -> first
-    token), the last two from the server's metrics."""
-    system = words(args.prefix_tokens)
+    """Requests one at a time, each the same long system prompt and a short question (for k2-shard, which has no
+    tokenizer: the same random token ids, then 32 of its own): TTFT after the first, at the client, in the replica
+    (its handler -> the first token's chunk) and in the engine (submission -> first token), the last two from the
+    server's metrics."""
+    if args.model == K2_SHARD:
+        from benchmarks.k2_step import shard_config
+
+        asks, system = id_prompts(shard_config(args.layers).vocab_size, 12, args.prefix_tokens), None
+    else:
+        asks, system = [t[:200] for t in texts[:12]], words(args.prefix_tokens)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        runs = [await one_request(session, url, model, texts[0][:200], 16, system)]  # fills the cache
+        runs = [await one_request(session, url, model, asks[0], 16, system)]  # fills the cache
         before = await scrape(session, url)
-        runs += [await one_request(session, url, model, texts[i][:200], 16, system) for i in range(1, 12)]
+        runs += [await one_request(session, url, model, asks[i], 16, system) for i in range(1, 12)]
         after = await scrape(session, url)
         health = [await round_trip(session, f"{url}/health") for _ in range(50)]
     ttft = [r["ttft"] for r in runs[1:]]
@@ -189,7 +236,18 @@ async def long_prompts(url: str, model: str, args, texts: list[str], streams: in
             "slowest_within": min(b for b, n in within.items() if n >= steps)}
 
 
-def deploy(spec: str, args) -> str:
+def model_args(args, tmp: Path) -> dict:
+    """The Serve builder arguments that choose the model: ``--model`` as given, or for k2-shard its config written
+    to ``tmp`` and served under that name with random weights (``load_format="dummy"``) and its engine settings."""
+    if args.model != K2_SHARD:
+        return {"model": args.model}
+    from benchmarks.k2_step import write_shard_config
+
+    return {"model": str(write_shard_config(tmp, args.layers)), "served_model_name": K2_SHARD,
+            "load_format": "dummy", **k2_shard_settings(args.prefix_tokens)}
+
+
+def deploy(spec: str, args, model: dict) -> str:
     import ray
     from ray import serve
 
@@ -199,7 +257,7 @@ def deploy(spec: str, args) -> str:
         ray.init(include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     mode, _, budget = spec.partition(":")
-    builder = {"model": args.model, "spec": mode, **({"budget": budget} if budget else {}), **json.loads(args.args)}
+    builder = {**model, "spec": mode, **({"budget": budget} if budget else {}), **json.loads(args.args)}
     serve.run(app(builder), name="load", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{args.port}"
     import requests
@@ -218,10 +276,17 @@ def deploy(spec: str, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:  # k2-shard's config, kept while it is served
+        return benchmark(args, model_args(args, Path(tmp)))
+
+
+def benchmark(args, model: dict) -> int:
+    """Deploy each of ``--specs`` with the ``model`` builder arguments (or use ``--url``), run the workload, print
+    its table."""
     texts = prompts()
     rows, label = [], (lambda spec: f"{spec or '(running server)'}{' ' + args.label if args.label else ''}")
     for spec in [None] if args.url else args.specs:
-        url = args.url or deploy(spec, args)
+        url = args.url or deploy(spec, args, model)
         if args.workload == "shared-prefix":
             r = asyncio.run(shared_prefix(url, args.model, args, texts))
             rows.append([label(spec), str(args.prefix_tokens), f"{1e3 * r['ttft_first']:.0f}",
@@ -250,7 +315,8 @@ def main(argv=None) -> int:
                                 "GET /health p50 ms"],
               "long-prompt": ["mode", "streams", "arriving prompt tokens", "stream gap p50 ms",
                               "stream gap p99 ms", "p99 / p50", "engine steps over 100 ms"]}[args.workload]
-    title = (f"# {datetime.date.today()} serve_load {args.workload}: {args.model}, streaming chat, greedy, "
+    kind = "streaming token-id completions" if args.model == K2_SHARD else "streaming chat"
+    title = (f"# {datetime.date.today()} serve_load {args.workload}: {args.model}, {kind}, greedy, "
              f"{args.max_tokens} tokens")
     print(title)
     table = print_table(rows, header)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.serve_load import words  # noqa: E402
+from benchmarks.serve_load import K2_SHARD, id_prompts, k2_shard_settings, words  # noqa: E402
 from kdray import LLM, SamplingParams  # noqa: E402
 from kdray.model.loader import LoadedTarget  # noqa: E402
 
@@ -93,23 +93,15 @@ def chat_prompts(tok, n: int, prefix_tokens: int) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template(chat)) for chat in chats]
 
 
-def id_prompts(vocab: int, n: int, prefix_tokens: int) -> list[list[int]]:
-    """``n`` prompts of random ids: the same ``prefix_tokens`` first, then 32 of their own."""
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(vocab, (prefix_tokens,), generator=g).tolist()
-    return [prefix + torch.randint(vocab, (32,), generator=g).tolist() for _ in range(n)]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    target = k2_shard(args.layers) if args.model == "k2-shard" else None
+    target = k2_shard(args.layers) if args.model == K2_SHARD else None
     for caching in (True, False):
         if target is None:
             llm = LLM(model=args.model, prefix_caching=caching)
             prompts = chat_prompts(llm.tokenizer, args.requests + 2, args.prefix_tokens)
         else:  # the ~65 GB shard is built once; each engine leaves room for a context of the prompts' size
-            llm = LLM(model=target, spec="ar", prefix_caching=caching, max_num_seqs=4,
-                      max_model_len=args.prefix_tokens + 256)
+            llm = LLM(model=target, prefix_caching=caching, **k2_shard_settings(args.prefix_tokens))
             prompts = id_prompts(target.config.vocab_size, args.requests + 2, args.prefix_tokens)
         first, _ = ttft(llm.engine, prompts[0])
         runs = [ttft(llm.engine, p) for p in prompts[1:args.requests + 1]]

@@ -407,6 +407,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 SPEC_MODES = ("ddtree", "chain", "ar")
+LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of its config (vLLM's names)
 
 
 @dataclass(frozen=True)
@@ -441,4 +442,5 @@ class SpecConfig:
 
 
 __all__ = ["Int4Config", "YarnScaling", "K2Config", "Llama3Scaling", "LlamaConfig", "DFlashConfig", "SpecConfig",
-           "load_model_config", "default_target_layer_ids", "SPEC_MODES", "DFLASH_BLOCK_SIZE"]
+           "load_model_config", "default_target_layer_ids", "SPEC_MODES", "LOAD_FORMATS",
+           "DFLASH_BLOCK_SIZE"]

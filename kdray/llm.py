@@ -30,6 +30,9 @@ class LLM:
         drafter = engine_args.pop("drafter", None)
         target = model if isinstance(model, LoadedTarget) else None
         loaded = drafter if isinstance(drafter, DFlashDrafter) else None
+        if target is not None and engine_args.get("load_format", "auto") != "auto":
+            raise ValueError(f"load_format={engine_args['load_format']!r} chooses how a model given by name is loaded;"
+                             " this target is loaded already: pass its name or path instead")
         if target is not None:  # a loaded target decides where the engine runs
             engine_args.setdefault("device", str(next(target.model.parameters()).device))
             engine_args.setdefault("dtype", str(target.model.dtype).removeprefix("torch."))

@@ -141,6 +141,15 @@ def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp)
 
 
 @pytest.mark.slow
+def test_dummy_weights_reach_the_shards_and_the_drafters_actor(cluster, tmp_path):
+    """``load_format="dummy"`` on a directory with only k2-tiny's config.json: each shard builds its slice with random
+    weights and the drafter's actor its target head (none reads a weight file), and they decode together."""
+    (tmp_path / "config.json").write_text(json.dumps(K2_TINY))
+    out = generate(str(tmp_path), PROMPTS, 8, tp=2, distributed="ray", load_format="dummy")
+    assert [len(t) for t in out] == [8] * len(PROMPTS) and all(0 <= t < 1024 for s in out for t in s)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,ep", [(2, False), (4, False), (2, True)])
 def test_int4_checkpoint_on_ray_equals_in_process(cluster, int4_checkpoint, tp, ep):
     prompts = [[t % 320 for t in p] for p in PROMPTS]

@@ -9,8 +9,10 @@ prompts are token ids) at ``/``, and k2-tiny's weights with a small BPE tokenize
 import json
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -24,6 +26,8 @@ from kdray import LLM, SamplingParams
 from kdray.engine.args import DEFAULT_MODEL
 from kdray.model.presets import K2_TINY
 from kdray.serve import ServeArgs, app
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
 
 pytestmark = pytest.mark.slow  # one Serve instance for the module: ~1 minute on 2 CPU cores
 
@@ -135,6 +139,25 @@ def test_chat_equals_llm_greedy_with_stream_and_stop(server, chat_llm):
     chunks = list(c.chat.completions.create(model=CHAT, messages=MESSAGES, max_tokens=6, temperature=0, stop=stop,
                                             stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected[:expected.index(stop)]
+
+
+def test_serve_load_streams_token_ids_without_a_tokenizer_and_chat_with_one(server):
+    """``benchmarks/serve_load.py``'s request: token ids as a completion to k2-tiny (no tokenizer), text as a chat
+    to the chat app; both streams' output chunks are found (the first one times the first token) and counted."""
+    import asyncio
+
+    import aiohttp
+
+    from benchmarks.serve_load import one_request
+
+    async def both():
+        async with aiohttp.ClientSession() as session:
+            ids = await one_request(session, server, "k2-tiny", [5, 6, 7, 8, 9], 8)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+            return ids, await one_request(session, f"{server}/chat", CHAT, "hello world", 6)
+
+    for run, n in zip(asyncio.run(both()), (8, 6)):
+        assert run["tokens"] == n and run["decode_tok_s"] > 0 and run["ttft"] > 0
 
 
 def test_api_key_is_required_when_set(server):
@@ -416,7 +439,8 @@ def test_an_engine_that_cannot_start_reports_its_own_error(serve_cluster, tmp_pa
         serve.run(app({"model": str(tmp_path), "device": "cpu"}), name="app-broken", route_prefix="/broken")
     try:
         (deployment,) = serve.status().applications["app-broken"].deployments.values()
-        assert "CheckpointError" in deployment.message and "no model.safetensors" in deployment.message
+        assert "NoWeightsError" in deployment.message and "no model.safetensors" in deployment.message
+        assert "load_format='dummy'" in deployment.message  # and the way to run the config without weights
         logs = ray._private.worker.global_worker.node.get_logs_dir_path()
         replica_logs = glob.glob(f"{logs}/serve/replica_app-broken_*")
         assert replica_logs and not any("AttributeError" in open(f).read() for f in replica_logs)

@@ -25,7 +25,7 @@ class DrafterWorker(Worker):
 
     def load(self) -> LoadReport:
         a, dtype = self.args, parse_dtype(self.args.dtype)
-        self.head = load_target(a.model, dtype, self.device, head_only=True)
+        self.head = load_target(a.model, dtype, self.device, head_only=True, load_format=a.load_format)
         self.drafter = load_drafter(a.drafter, self.head.config, dtype, self.device, a.block_size)
         return LoadReport(kv_pages_that_fit([self.drafter], a.page_size, self.device, dtype, self.gpu_share),
                           draft_config=self.drafter.cfg)

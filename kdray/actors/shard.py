@@ -25,9 +25,11 @@ class ShardWorker(Worker):
         return self.tp.size  # the drafter's rank in the link group, after the shards
 
     def load(self) -> LoadReport:
-        """Load this rank's slice of the checkpoint; shard 0 also reports the config and tokenizer."""
+        """Load this rank's slice of the checkpoint (random under ``load_format="dummy"``); shard 0 also reports the
+        config and tokenizer."""
         a = self.args
-        self.target = load_target(a.model, a.dtype, self.device, group=self.tp, expert_parallel=a.expert_parallel)
+        self.target = load_target(a.model, a.dtype, self.device, group=self.tp, expert_parallel=a.expert_parallel,
+                                  load_format=a.load_format)
         pages = kv_pages_that_fit([self.target.model], a.page_size, self.device, parse_dtype(a.dtype), self.gpu_share)
         if self.rank:
             return LoadReport(kv_pages=pages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from kdray.config import SPEC_MODES
+from kdray.config import LOAD_FORMATS, SPEC_MODES
 
 DEFAULT_MODEL = "smollm2-135m"  # the real small model, with its shipped DFlash drafter
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,6 +29,8 @@ class EngineArgs:
 
     model: str = setting("a preset (smollm2-135m, k2-tiny), an HF checkpoint directory or a GGUF file",
                        default=DEFAULT_MODEL)
+    load_format: str = setting("auto: the checkpoint's weights; dummy: random weights of its config, made on the "
+                               "device (benchmarks without the weight files, as vLLM's)", default="auto")
     drafter: str | None = setting("a DFlash checkpoint directory, or 'random' (tests); default: the preset's "
                                 "shipped drafter", default=None)
     spec: str | None = setting("ddtree, chain or ar; default: ddtree with a drafter, ar without", default=None)
@@ -69,6 +71,7 @@ class EngineArgs:
             check((allow_none and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= low),
                   name, f"an integer >= {low}" + (" or None" if allow_none else ""))
 
+        check(self.load_format in LOAD_FORMATS, "load_format", f"one of {', '.join(LOAD_FORMATS)}")
         check(self.spec is None or self.spec in SPEC_MODES, "spec", f"one of {', '.join(SPEC_MODES)}")
         if isinstance(self.budget, str) and self.budget.isdigit():  # from a command line or a config file
             self.budget = int(self.budget)

@@ -33,7 +33,8 @@ class LocalModels:
         a = self.args
         device, dtype = torch.device(a.device), parse_dtype(a.dtype)
         if self.target is None:
-            self.target = load_target(a.model, dtype, device, expert_parallel=a.expert_parallel)
+            self.target = load_target(a.model, dtype, device, expert_parallel=a.expert_parallel,
+                                      load_format=a.load_format)
         source = None if a.spec == "ar" else (self.drafter or a.drafter)
         self.drafter = load_drafter(source, self.target.config, dtype, device, a.block_size)
         models = [m for m in (self.target.model, self.drafter) if m is not None]

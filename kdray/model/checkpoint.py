@@ -20,6 +20,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file or tensor and what is wrong."""
 
 
+class NoWeightsError(CheckpointError):
+    """A checkpoint directory without weight files (a ``config.json`` alone, say)."""
+
+
 class CheckpointReader:
     """Random access to the tensors of an HF safetensors checkpoint directory."""
 
@@ -46,8 +50,8 @@ class CheckpointReader:
             return {name: files[f] for name, f in weight_map.items()}
         single = self.path / SINGLE_FILE
         if not single.is_file():
-            raise CheckpointError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}; is this an HF checkpoint "
-                                  "directory saved with safetensors?")
+            raise NoWeightsError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}; is this an HF checkpoint "
+                                 "directory saved with safetensors?")
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
 

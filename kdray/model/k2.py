@@ -214,7 +214,12 @@ class MoE(nn.Module):
             self.w2_scale[local] = reader.get(f"{ep}.down_proj.weight_scale", (H, I // g), (1, i0 // g, i1 // g))
         if self.shared is not None:
             self.shared.load(reader, f"{prefix}.shared_experts")
-        if cfg.quantization is not None and self.w13_packed.is_cuda:
+        self.lay_out_experts()
+
+    def lay_out_experts(self):
+        """Put the loaded experts in their device's layout: INT4 experts on a GPU tiled (:meth:`tile_experts`),
+        elsewhere as read. Loading ends with it, from a checkpoint or with random weights."""
+        if self.cfg.quantization is not None and self.w13_packed.is_cuda:
             self.tile_experts()
 
     @torch.no_grad()

@@ -2,7 +2,8 @@
 embedding and LM head, for the drafter's actor), and a DFlash drafter checked against its target.
 
 Every path goes through :func:`open_checkpoint` (config, tensor reader, tokenizer) and the model's own
-``load(reader)``, which reads only this rank's slice of each tensor.
+``load(reader)``, which reads only this rank's slice of each tensor; ``load_format="dummy"`` reads the config and
+tokenizer alone and fills the weights with random values on the device (:mod:`kdray.model.dummy`).
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from kdray.config import DFLASH_BLOCK_SIZE, load_model_config
-from kdray.model.checkpoint import CheckpointReader
+from kdray.config import DFLASH_BLOCK_SIZE, LOAD_FORMATS, load_model_config
+from kdray.model.checkpoint import CheckpointReader, NoWeightsError
 from kdray.model.dflash import DFlashDrafter
+from kdray.model.dummy import fill_random
 from kdray.model.k2 import K2Model
 from kdray.model.layers import TargetHead
 from kdray.model.llama import LlamaModel
@@ -104,23 +106,39 @@ def _target(cfg, dtype: torch.dtype, group, expert_parallel: bool) -> TargetHead
     return LlamaModel(cfg, dtype, group)
 
 
-def open_checkpoint(path: Path):
-    """(config, tensor reader with ``get`` and ``close``, tokenizer or None) of an HF directory or a GGUF file."""
+def open_checkpoint(path: Path, weights: bool = True):
+    """(config, tensor reader with ``get`` and ``close`` or None without ``weights``, tokenizer or None) of an HF
+    directory or a GGUF file."""
     if path.suffix == ".gguf":
         from kdray.model.gguf import open_gguf
 
-        return open_gguf(path)
-    return load_model_config(path), CheckpointReader(path), Tokenizer.from_dir(path)
+        cfg, reader, tokenizer = open_gguf(path)
+        if not weights:
+            reader.close()
+        return cfg, reader if weights else None, tokenizer
+    cfg = load_model_config(path)
+    try:
+        reader = CheckpointReader(path) if weights else None
+    except NoWeightsError as e:
+        raise NoWeightsError(f"{e} To run its config with random weights (benchmarks), load it with "
+                             "load_format='dummy'.") from None
+    return cfg, reader, Tokenizer.from_dir(path)
 
 
 def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                group=SINGLE, expert_parallel: bool = False, head_only: bool = False) -> LoadedTarget:
+                group=SINGLE, expert_parallel: bool = False, head_only: bool = False,
+                load_format: str = "auto") -> LoadedTarget:
     """Build the target for ``model`` on ``device`` with this rank's slice of the weights; ``head_only`` builds
-    just the embedding and LM head (what the drafter borrows)."""
+    just the embedding and LM head (what the drafter borrows). ``load_format="dummy"`` reads only the config (and
+    tokenizer) and fills the weights with seeded random values in place on ``device``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
     torch_dtype = parse_dtype(dtype)
-    cfg, reader, tokenizer = open_checkpoint(resolve_model(model))
+    cfg, reader, tokenizer = open_checkpoint(resolve_model(model), weights=load_format == "auto")
     with torch.device(device):
         net = TargetHead(cfg, torch_dtype) if head_only else _target(cfg, torch_dtype, group, expert_parallel)
+    if reader is None:
+        return LoadedTarget(fill_random(net), cfg, tokenizer, model)
     try:
         with torch.no_grad():
             net.load(reader)

@@ -1,0 +1,151 @@
+"""``load_format="dummy"``: a model built from its checkpoint's config with seeded random weights, laid out as a
+real load leaves them; and ``benchmarks/serve_load.py``'s token-id requests for a model without a tokenizer."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdray import LLM, SamplingParams
+from kdray.config import K2Config
+from kdray.model.checkpoint import NoWeightsError
+from kdray.model.loader import load_target, model_config
+from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+
+LLAMA_TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 112,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": 256, "tie_word_embeddings": True}
+INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+    "g": {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}}}
+# k2-tiny with INT4 experts 64 wide: on a GPU they are tiled (widths multiples of 64), on the CPU kept as read
+K2_INT4 = dict(K2_TINY, moe_intermediate_size=64, quantization_config=INT4)
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12]]
+
+
+def config_dir(path, config: dict) -> str:
+    """A checkpoint directory holding only ``config.json``."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def greedy(llm: LLM, n: int = 8) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(list(model.named_parameters()) + list(model.named_buffers()))
+
+
+@pytest.mark.parametrize("config", [K2_TINY, LLAMA_TINY], ids=["k2", "llama"])
+def test_dummy_llm_generates_the_same_tokens_on_two_builds(tmp_path, config):
+    model = config_dir(tmp_path / "cfg", config)
+    first, second = (greedy(LLM(model=model, load_format="dummy", device="cpu")) for _ in range(2))
+    assert first == second
+    assert [len(t) for t in first] == [8, 8] and all(0 <= t < config["vocab_size"] for s in first for t in s)
+    assert len({t for s in first for t in s}) > 2  # random weights, not a constant output
+
+
+def test_dummy_is_not_the_checkpoints_weights(tmp_path):
+    """k2-tiny's config with random weights answers otherwise than k2-tiny (its weights are never read)."""
+    dummy = greedy(LLM(model=config_dir(tmp_path / "cfg", K2_TINY), load_format="dummy", device="cpu"))
+    assert dummy != greedy(LLM(model="k2-tiny", device="cpu"))
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("config", [K2_TINY, K2_INT4], ids=["dense-experts", "int4-experts"])
+def test_dummy_weights_are_random_and_laid_out_as_a_real_load(tmp_path, config, device, dtype):
+    """Every tensor of the dummy model has the real load's name, dtype and shape (INT4 experts packed as read on the
+    CPU, tiled on a GPU), holds finite values, not all zero, and none of the checkpoint's; the global RNG is left
+    alone."""
+    path = tmp_path / "real"
+    write_checkpoint(path, config, k2_random_tensors(K2Config.from_hf(config), seed=3,
+                                                     int4_experts="quantization_config" in config))
+    real = tensors(load_target(str(path), dtype, device).model)
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    dummy = tensors(load_target(str(path), dtype, device, load_format="dummy").model)  # weights there, not read
+    assert torch.equal(torch.rand(3), expected)  # its own generator: the global RNG is left as it was
+    assert {n: (t.dtype, t.shape, t.device) for n, t in dummy.items()} == \
+           {n: (t.dtype, t.shape, t.device) for n, t in real.items()}
+    if "quantization_config" in config:
+        tiled = device == "cuda"
+        assert {t.dim() for n, t in dummy.items() if n.endswith("w13_packed")} == {4 if tiled else 3}
+    for name, t in dummy.items():
+        if name.endswith("inv_freq"):  # computed from the config, not a weight
+            continue
+        values = t.float() if t.is_floating_point() else t.view(torch.uint8).float()
+        assert values.isfinite().all() and values.abs().sum() > 0, name
+        assert not torch.equal(t, real[name]), name
+
+
+def test_a_preset_and_a_gguf_take_dummy_from_their_config(smollm2):
+    dummy = load_target("smollm2-135m", load_format="dummy")  # the preset is a GGUF file
+    assert dummy.config == smollm2.config and dummy.tokenizer is not None
+    assert dummy.tokenizer.encode("hello world") == smollm2.tokenizer.encode("hello world")
+    real = tensors(smollm2.model)
+    for name, t in tensors(dummy.model).items():
+        assert t.shape == real[name].shape and (name.endswith("inv_freq") or not torch.equal(t, real[name])), name
+
+
+def test_bad_load_format_names_the_field_and_the_choices():
+    with pytest.raises(ValueError, match="load_format='bogus' must be one of auto, dummy"):
+        LLM(model="k2-tiny", load_format="bogus", device="cpu")
+    with pytest.raises(ValueError, match="load_format='bogus' must be one of auto, dummy"):
+        load_target("k2-tiny", load_format="bogus")
+
+
+def test_a_loaded_target_refuses_a_load_format():
+    target = load_target("k2-tiny")
+    with pytest.raises(ValueError, match="load_format='dummy' chooses how a model given by name is loaded"):
+        LLM(model=target, load_format="dummy")
+
+
+def test_a_config_only_directory_without_dummy_says_how_to_run_it(tmp_path):
+    model = config_dir(tmp_path / "cfg", K2_TINY)
+    with pytest.raises(NoWeightsError, match=r"no model.safetensors .*load_format='dummy'"):
+        load_target(model)
+    with pytest.raises(NoWeightsError, match="load_format='dummy'"):
+        LLM(model=model, device="cpu")
+
+
+def test_k2_shard_config_directory_holds_the_shards_config(tmp_path):
+    from benchmarks.k2_step import shard_config, write_shard_config
+
+    path = write_shard_config(tmp_path / "shard", layers=3)
+    assert [p.name for p in path.iterdir()] == ["config.json"]
+    assert model_config(str(path)) == shard_config(3)
+    assert shard_config(3).num_hidden_layers == 3 and shard_config(3).quantization.group_size == 32
+
+
+def test_serve_load_id_prompts_share_their_prefix_and_differ_after_it():
+    from benchmarks.serve_load import id_prompts
+
+    prompts = id_prompts(vocab=500, n=5, prefix_tokens=100)
+    assert [len(p) for p in prompts] == [132] * 5
+    assert all(p[:100] == prompts[0][:100] for p in prompts)
+    assert len({tuple(p[100:]) for p in prompts}) == 5
+    assert all(0 <= t < 500 for p in prompts for t in p) and len(set(prompts[0])) > 50
+    assert id_prompts(500, 5, 100) == prompts  # seeded
+
+
+def test_serve_load_sends_token_ids_as_a_completion_and_text_as_a_chat():
+    from benchmarks.serve_load import parse_args, request_body
+
+    path, body = request_body("k2-shard", [3, 4, 5], 16)
+    assert path == "/v1/completions" and body["prompt"] == [3, 4, 5] and body["return_token_ids"] is True
+    assert body["stream"] is True and body["max_tokens"] == 16 and "messages" not in body
+    path, body = request_body("m", "a question", 16, system="shared")
+    assert path == "/v1/chat/completions" and "return_token_ids" not in body
+    assert body["messages"] == [{"role": "system", "content": "shared"}, {"role": "user", "content": "a question"}]
+    assert parse_args(["--model", "k2-shard", "--workload", "shared-prefix"]).specs == ["ar"]
+    assert parse_args([]).specs == ["ar", "chain", "ddtree:auto"]
+    with pytest.raises(SystemExit):  # no tokenizer: the chat workload is refused up front
+        parse_args(["--model", "k2-shard"])
