@@ -176,8 +176,8 @@ def since(after: dict[str, float], before: dict[str, float], key: str) -> float:
 async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
     """Requests one at a time, each the same long system prompt and a short question (for k2-shard, which has no
     tokenizer: the same random token ids, then 32 of its own): TTFT after the first, at the client, in the replica
-    (its handler -> the first token's chunk) and in the engine (submission -> first token), the last two from the
-    server's metrics."""
+    (its handler -> the first token's chunk) and in the engine (submission -> first token; split at the launch of
+    the request's prefill into queued and prefill), the last two from the server's metrics."""
     if args.model == K2_SHARD:
         from benchmarks.k2_step import shard_config
 
@@ -197,7 +197,9 @@ async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
 
     return {"ttft_p50": statistics.median(ttft), "ttft_mean": statistics.mean(ttft), "ttft_first": runs[0]["ttft"],
             "server_ttft_mean": mean("kdray_server_time_to_first_token_seconds"),
-            "engine_ttft_mean": mean("kdray_time_to_first_token_seconds"), "health_p50": statistics.median(health)}
+            "engine_ttft_mean": mean("kdray_time_to_first_token_seconds"),
+            "queue_mean": mean("kdray_request_queue_time_seconds"),
+            "prefill_mean": mean("kdray_request_prefill_time_seconds"), "health_p50": statistics.median(health)}
 
 
 async def round_trip(session: aiohttp.ClientSession, url: str) -> float:
@@ -292,6 +294,7 @@ def benchmark(args, model: dict) -> int:
             rows.append([label(spec), str(args.prefix_tokens), f"{1e3 * r['ttft_first']:.0f}",
                          f"{1e3 * r['ttft_p50']:.0f}", f"{1e3 * r['ttft_mean']:.1f}",
                          f"{1e3 * r['server_ttft_mean']:.1f}", f"{1e3 * r['engine_ttft_mean']:.1f}",
+                         f"{1e3 * r['queue_mean']:.1f}", f"{1e3 * r['prefill_mean']:.1f}",
                          f"{1e3 * (r['ttft_mean'] - r['server_ttft_mean']):.1f}",
                          f"{1e3 * (r['server_ttft_mean'] - r['engine_ttft_mean']):.1f}",
                          f"{1e3 * r['health_p50']:.1f}"])
@@ -311,6 +314,7 @@ def benchmark(args, model: dict) -> int:
                        "requests"],
               "shared-prefix": ["mode", "shared prefix tokens", "first TTFT ms", "TTFT p50 ms (later requests)",
                                 "TTFT mean ms", "in the replica: TTFT mean ms", "in the engine: TTFT mean ms",
+                                "of which queued ms", "of which prefill ms",
                                 "HTTP + Serve: client - replica ms", "handler: replica - engine ms",
                                 "GET /health p50 ms"],
               "long-prompt": ["mode", "streams", "arriving prompt tokens", "stream gap p50 ms",

@@ -110,6 +110,20 @@ def test_a_failed_step_reruns_a_request_that_sent_nothing(llm):
     assert all_pages_free(llm)
 
 
+def test_time_to_first_token_is_its_queue_and_prefill_parts(llm):
+    async def scenario(runner):
+        await collect(runner, "a")
+        return await collect(runner, "b")
+
+    runner, _ = run(llm.engine, scenario)
+    value = lambda name: runner.metrics.registry.get_sample_value(name)  # noqa: E731
+    assert value("kdray_request_queue_time_seconds_count") == value("kdray_time_to_first_token_seconds_count") == 2
+    queued, prefill = value("kdray_request_queue_time_seconds_sum"), value("kdray_request_prefill_time_seconds_sum")
+    assert queued > 0 and prefill > 0
+    assert queued + prefill == pytest.approx(value("kdray_time_to_first_token_seconds_sum"))
+    assert all_pages_free(llm)
+
+
 def test_a_plain_error_in_a_step_is_a_runner_failure_and_reruns_too(llm):
     llm.engine.runner = FlakyRunner(llm.engine.runner, failures=1)
     try:

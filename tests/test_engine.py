@@ -113,6 +113,28 @@ def test_max_tokens_and_the_context_limit_cut_mid_step():
     assert len(outs[0].outputs[0].token_ids) == 6 and outs[0].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_no_step_is_launched_past_a_length_limit_that_the_work_in_flight_reaches(max_tokens):
+    """One token per step: the prefill gives the first token and max_tokens - 1 steps the rest; a step launched
+    after those would run (the host is a step behind) only to have its token discarded."""
+    runner = FakeRunner(accept=1)
+    outs = run(make_engine(runner), [[1, 2, 3]], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == expected([1, 2, 3], max_tokens)
+    assert len(runner.steps) == max_tokens - 1
+    near_limit = FakeRunner(accept=1)  # the context limit: 16 - 10 prompt tokens = 6 tokens out
+    outs = run(make_engine(near_limit, max_model_len=16), [[9] * 10], [SamplingParams(max_tokens=40, ignore_eos=True)])
+    assert len(outs[0].outputs[0].token_ids) == 6 and len(near_limit.steps) == 5
+
+
+def test_a_step_that_may_not_reach_the_limit_is_still_launched():
+    """Steps emit at least one token but may emit more: only the sure end stops the launches (a request that
+    could still emit is never held back)."""
+    runner = FakeRunner(accept=3)  # prefill 1 token, then 3 per step: 1, 4, 7 -> max_tokens 7 after two steps
+    outs = run(make_engine(runner), [[1, 2]], [SamplingParams(max_tokens=7, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == expected([1, 2], 7)
+    assert len(runner.steps) == 3  # the third ran before the second's 3 tokens were known
+
+
 def test_stop_string_across_a_step_is_cut_and_its_tokens_kept_up_to_it():
     prompt = [1]
     seq = expected(prompt, 12)

@@ -40,6 +40,16 @@ def test_scheduler_counters_follow_the_engine_totals():
     assert sample(m, "kdray_spec_decode_calibration", position="1") == 0.4
 
 
+def test_time_to_first_token_splits_into_queue_and_prefill():
+    m = Metrics()
+    m.first_token(0.030, queued=0.004)
+    m.first_token(0.010, queued=0.002)
+    assert sample(m, "kdray_time_to_first_token_seconds_sum") == pytest.approx(0.040)
+    assert sample(m, "kdray_request_queue_time_seconds_sum") == pytest.approx(0.006)
+    assert sample(m, "kdray_request_prefill_time_seconds_sum") == pytest.approx(0.034)
+    assert sample(m, "kdray_request_prefill_time_seconds_count") == 2
+
+
 APP = "app-pair"
 TOTALS = ("ray_kdray_http_requests_total", "ray_kdray_prompt_tokens_total", "ray_kdray_generation_tokens_total",
           "ray_kdray_request_success_total")

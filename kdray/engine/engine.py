@@ -142,7 +142,7 @@ class Engine:
             failed = tuple(dict.fromkeys(s.request_id for s in self.scheduler.running))
             self._inflight = []
             for seq in list(self.scheduler.running):
-                seq.inflight = 0
+                seq.inflight = seq.owed = 0
                 self.abort_request(seq.request_id)
             self.scheduler.pool.forget()  # a rebuilt runner's caches hold none of the cached prefixes
             if isinstance(e, RunnerFailure):
@@ -179,8 +179,10 @@ class Engine:
                 histories=[s.context_ids if b == s.prefill_len and "penalties" in s.params.features else None
                            for s, _, b in chunks], grammars=_grammars(seqs),
                 scored=[s.prompt_ids[a + 1:b + 1] if s.scores_prompt else [] for s, a, b in chunks])
+            now = time.perf_counter()
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
+                seq.scheduled_at = seq.scheduled_at or now
             launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last,
                                     starts=prefill.starts, grammar=prefill.grammars is not None))
         if batch:
@@ -192,8 +194,9 @@ class Engine:
             launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter(),
                                     grammar=step.grammars is not None))
         for launch in launches:
-            for seq in launch.seqs:
+            for i, seq in enumerate(launch.seqs):
                 seq.inflight += 1
+                seq.owed += _emits(launch, i, seq)
         return launches
 
     def _collect(self, launches: list[_Launch], now: float | None, stream: bool = True) -> list[Sequence]:
@@ -213,6 +216,7 @@ class Engine:
                                         sum(result.seconds.values()) or None, now - launch.at if now else None)
             for i, (seq, toks, mass, lps, scored) in enumerate(zip(launch.seqs, tokens, masses, logprobs, scores)):
                 seq.inflight -= 1
+                seq.owed -= _emits(launch, i, seq)
                 if seq.finished or seq.preempted:
                     pass
                 elif not launch.prefill:
@@ -285,7 +289,7 @@ class Engine:
             seq.first_token_at = time.perf_counter()
         p, detok = seq.params, seq.detokenizer
         by_token = detok is not None and bool(p.stop)
-        out, limit = seq.output_ids, min(p.max_tokens, self.max_model_len - len(seq.prompt_ids))
+        out, limit = seq.output_ids, seq.length_limit(self.max_model_len)
         for i, t in enumerate(tokens):
             out.append(t)
             if seq.grammar is not None:
@@ -337,6 +341,12 @@ class Engine:
                                                list(seq.logprobs) if asked else None)],
                              seq.finished, seq.metrics(),
                              prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
+
+
+def _emits(launch: _Launch, i: int, seq: Sequence) -> int:
+    """1 if ``launch`` emits a token for ``seq``, its ``i``-th sequence: a step always; a prefill when the chunk ends
+    the context of a request with no output yet (a resumed one chose its next token before it was preempted)."""
+    return int(not launch.prefill or (launch.last[i] and not seq.output_ids))
 
 
 def _grammars(seqs: list[Sequence]) -> list[GrammarState | None] | None:

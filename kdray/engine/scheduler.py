@@ -83,9 +83,11 @@ class Scheduler:
         return chunks
 
     def decode_batch(self) -> list[Sequence]:
-        """Running sequences whose prefill is launched (the device runs it first) and not known to have finished,
-        rotating the start when the token bound cuts the list."""
-        ready = [s for s in self.running if not s.finished and not s.preempted and s.prefilled >= s.prefill_len]
+        """Running sequences whose prefill is launched (the device runs it first) and that the work in flight does
+        not surely end (a step past a request's length limit is wasted device time, and the next request would wait
+        behind it), rotating the start when the token bound cuts the list."""
+        ready = [s for s in self.running if not s.finished and not s.preempted and s.prefilled >= s.prefill_len
+                 and not s.ends_in_flight(self.max_model_len)]
         limit = max(1, self.max_tokens_per_step // self.per_seq)
         if len(ready) <= limit:
             return ready

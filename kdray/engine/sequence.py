@@ -36,6 +36,7 @@ class Sequence:
     pages_sent: int = 0  # pages the runner's block-table row holds
     preempted: bool = False  # to give its pages back once nothing in flight writes them, then wait again
     inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet
+    owed: int = 0  # of those, the ones that emit a token each: steps, and a new request's last prefill chunk
     detokenizer: IncrementalDetokenizer | None = None
     grammar: GrammarState | None = None  # structured_outputs: its matcher, at the committed output's end
     text: str = ""
@@ -45,6 +46,7 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=lambda: [None])  # per prompt token scored so far (prompt_logprobs)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    scheduled_at: float | None = None  # perf_counter when its first prefill chunk was launched
     first_token_at: float | None = None
     steps: int = 0
     accepted: int = 0
@@ -70,9 +72,19 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def length_limit(self, max_model_len: int) -> int:
+        """Output tokens at which it ends by length: ``max_tokens``, or the context limit."""
+        return min(self.params.max_tokens, max_model_len - len(self.prompt_ids))
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """Whether the work in flight surely ends it by length (each owed launch emits at least one token): a step
+        launched now could only produce tokens that are discarded."""
+        return len(self.output_ids) + self.owed >= self.length_limit(max_model_len)
+
     def metrics(self) -> dict:
         return {"steps": self.steps, "tau": self.accepted / self.steps if self.steps else 0.0,
                 "accepted_tokens": self.accepted, "prompt_tokens": len(self.prompt_ids),
                 "generated_tokens": len(self.output_ids),
                 "ttft": (self.first_token_at - self.arrival) if self.first_token_at else None,
+                "scheduled_at": self.scheduled_at,
                 "seconds": dict(self.stage_seconds), "tree_sizes": dict(self.tree_sizes)}

@@ -318,7 +318,7 @@ class AsyncEngine:
                 live.steps, live.accepted, live.nodes = out.metrics["steps"], out.metrics["accepted_tokens"], nodes
             if live.first_token is None and out.outputs[0].token_ids:
                 live.first_token = now
-                self.metrics.first_token(now - live.submitted)
+                self.metrics.first_token(now - live.submitted, out.metrics["scheduled_at"] - live.submitted)
                 self._wait_s += WAIT_SMOOTHING * (now - live.submitted - self._wait_s)
             if out.finished:
                 del self._live[out.request_id]

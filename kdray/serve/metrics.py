@@ -79,6 +79,12 @@ class Metrics:
                               labels=("finished_reason",))
         self.ttft = metric("histogram", "kdray_time_to_first_token_seconds", "Submission to first generated token",
                            buckets=_LATENCY)
+        self.queue_time = metric("histogram", "kdray_request_queue_time_seconds",
+                                 "Submission to the launch of the request's first prefill chunk (the hand-over to "
+                                 "the engine thread and the wait for a slot and pages)", buckets=_LATENCY)
+        self.prefill_time = metric("histogram", "kdray_request_prefill_time_seconds",
+                                   "The launch of the request's first prefill chunk to its first generated token",
+                                   buckets=_LATENCY)
         self.server_ttft = metric("histogram", "kdray_server_time_to_first_token_seconds",
                                   "A streamed request's arrival at the replica's handler (before its chat template and "
                                   "tokenizer) to its first token's chunk", buckets=_LATENCY)
@@ -145,8 +151,11 @@ class Metrics:
         for pos, c in enumerate(calibration):
             self.calibration.set(c, position=str(pos))
 
-    def first_token(self, seconds: float):
+    def first_token(self, seconds: float, queued: float):
+        """A request's first token, ``seconds`` after its submission, of which ``queued`` before its prefill."""
         self.ttft.observe(seconds)
+        self.queue_time.observe(queued)
+        self.prefill_time.observe(seconds - queued)
 
     def finished(self, out: RequestOutput, seconds_after_first: float, seconds: float):
         """Count a finished request; ``seconds_after_first`` spans its first to its last token, ``seconds`` its
