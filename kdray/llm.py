@@ -30,14 +30,14 @@ class LLM:
         drafter = engine_args.pop("drafter", None)
         target = model if isinstance(model, LoadedTarget) else None
         loaded = drafter if isinstance(drafter, DFlashDrafter) else None
-        if target is not None and engine_args.get("load_format", "auto") != "auto":
-            raise ValueError(f"load_format={engine_args['load_format']!r} chooses how a model given by name is loaded;"
-                             " this target is loaded already: pass its name or path instead")
         if target is not None:  # a loaded target decides where the engine runs
             engine_args.setdefault("device", str(next(target.model.parameters()).device))
             engine_args.setdefault("dtype", str(target.model.dtype).removeprefix("torch."))
         self.args = EngineArgs(model=target.name if target else model, drafter=None if loaded else drafter,
                                **engine_args)
+        if target is not None and self.args.load_format != "auto":
+            raise ValueError(f"load_format={self.args.load_format!r} chooses how a model given by name is loaded; "
+                             "this target is loaded already: pass its name or path instead")
         self.engine, facts = build_engine(self.args, target, loaded)
         self.config, self.tokenizer, self.model_name = facts.config, facts.tokenizer, facts.name
 
