@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from gpu_checks import poison_allocator, rel_err
 
+import kdray.kernels.w4a16_moe as w4a16_moe_module
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
 from kdray.kernels.moe_route import moe_route, moe_route_reference
 from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, VARIANTS, WGMMA_VARIANTS,
@@ -503,6 +504,41 @@ def test_cuda_other_families_read_the_tiled_layout(T, H, I, E, k, variant):
     out_ct = _w4a16_moe_cuda(x, *ct, ids, weights, variant=variant)
     torch.testing.assert_close(out, out_ct, rtol=2 ** -7, atol=2 ** -8 * out_ct.abs().max().item())
     assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k,used,skip", [s for s in SKINNY_SHAPES if s[1] % 128 == 0 and s[2] % 128 == 0])
+def test_cuda_skinny_tiled_matches_compressed(T, H, I, E, k, used, skip):
+    """The skinny path on the tiled layout (on sm_90 its gate/up weights come by TMA through a ring of stages that runs
+    across a block's items: the 2000-token shape gives each block ~240 items) equals it on compressed-tensors."""
+    gen = torch.Generator("cuda").manual_seed(T + 7 * H + I)
+    ct = random_int4_experts(E, H, I, "cuda", gen)
+    tiled = repack_int4_experts(*ct)
+    experts = None if used is None else torch.randperm(E, device="cuda", generator=gen)[:used]
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _routing(T, E, k, "cuda", experts, skip, gen)
+    poison_allocator()
+    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
+    poison_allocator()
+    out_ct = _w4a16_moe_cuda(x, *ct, ids, weights, variant=SKINNY)
+    torch.testing.assert_close(out, out_ct, rtol=2 ** -7, atol=2 ** -8 * out_ct.abs().max().item())
+    assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", w4a16_moe_module.SKINNY_UP_DEPTHS)
+def test_cuda_skinny_every_ring_depth(depth, monkeypatch):
+    """Each depth of the gate/up kernel's ring (the GPU runs the deepest that its shared memory holds) is right, with
+    a block's stream running across many items (1000 tokens x 8 slots over 24 experts: ~1000 passes x 16 items)."""
+    T, H, I, E, k = 1000, 1024, 256, 24, 8
+    gen = torch.Generator("cuda").manual_seed(depth)
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _routing(T, E, k, "cuda", skip=0.1, gen=gen)
+    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_depth", lambda dev: depth)
+    poison_allocator()
+    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
+    assert rel_err(out, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2
 
 
 @pytest.mark.gpu

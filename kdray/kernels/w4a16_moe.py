@@ -25,8 +25,10 @@ verify step's MoE can be captured in a CUDA graph:
 4. ``moe_finalize``: ``acc`` (+ ``add``) -> ``out`` in bf16.
 
 Three families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
-(passes of <= 8 rows; weights as the mma's A operand, loaded from HBM straight into registers, the pass's
-rows as its 8 columns; K split across the warps of a block), otherwise the tile path (``VARIANTS``: weights
+(passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
+pass's rows as its 8 columns; K split across the warps of a block; persistent blocks over (pass, column tile) items,
+a wave at most, since the pass count is only known on the device; the gate/up GEMM's lanes cp.async their pieces
+into a ring in shared memory, ``SKINNY_UP_DEPTHS``), otherwise the tile path (``VARIANTS``: weights
 staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
 ``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``). Its down GEMM writes each
 (token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results
@@ -63,6 +65,8 @@ VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2), "m64n
 SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and I multiples of 128
 SKINNY_ROWS = 8
 SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
+SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (74 registers; the up kernel has one)
+SKINNY_UP_DEPTHS = (2, 3)  # moe_up_skinny_d<depth>: chunks in each warp's ring of weights (depth - 1 in flight)
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
 # Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> (warpgroups along M of the down
@@ -366,10 +370,13 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, h_width, dtype=torch.bfloat16, device=dev)
 
     _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
-    if variant == SKINNY:
-        launch("w4a16_moe", "moe_up_skinny", (max_passes, I // 16), (SKINNY_UP_THREADS,),
-               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)), device=dev)
-        launch("w4a16_moe", "moe_down_skinny", (max_passes, math.ceil(H / SKINNY_DOWN_ROWS)), (SKINNY_DOWN_THREADS,),
+    if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave
+        depth = _skinny_up_depth(dev)
+        launch("w4a16_moe", f"moe_up_skinny_d{depth}", (min(max_passes * (I // 16), sms),), (SKINNY_UP_THREADS,),
+               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)),
+               shared_mem=_skinny_up_smem(depth), device=dev)
+        down_items = max_passes * math.ceil(H / SKINNY_DOWN_ROWS)
+        launch("w4a16_moe", "moe_down_skinny", (min(down_items, SKINNY_DOWN_BLOCKS * sms),), (SKINNY_DOWN_THREADS,),
                (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(tiled)),
                device=dev)
     else:
@@ -379,6 +386,17 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
            (acc, add if add is not None else 0, out, i32(n4)), device=dev)
     return out
+
+
+def _skinny_up_smem(depth: int) -> int:
+    """moe_up_skinny_d<depth>'s shared memory: the 16 warps' partial tiles (16 KB), their rings (2560 B a chunk)."""
+    return 16 * 2 * 4 * 32 * 4 + 16 * depth * 32 * 80
+
+
+def _skinny_up_depth(dev: torch.device) -> int:
+    """The deepest ring of ``SKINNY_UP_DEPTHS`` whose shared memory the GPU gives a block."""
+    limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+    return max(d for d in SKINNY_UP_DEPTHS if _skinny_up_smem(d) <= limit)
 
 
 def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms):

@@ -348,7 +348,8 @@ extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, const ui
 
 // ---------------------------------------------------------------------------------------------------------------
 // Skinny path (few rows per expert): a pass is one expert's <= 8 rows, and the mma is swapped: 16 weight rows are
-// the A operand (dequantized in registers straight from 16-byte global loads, no shared-memory staging) and the
+// the A operand (each lane's 16-byte weight pieces dequantized in registers: the down GEMM loads them from global
+// memory, the gate/up GEMM from its lane's own slots of a ring in shared memory that cp.async fills ahead) and the
 // pass's rows the 8 columns of B (read from x or h as they are and permuted in registers), so each weight byte
 // crosses HBM once and feeds one mma. Lane (r, c) of a warp loads the 32 k [32 (4 ch + c), +32) of chunk ch of
 // weight rows r and r + 8 (one group: one scale) and the same 32 k of row r of B; pair p of word q of its weight
@@ -409,147 +410,225 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 #define SK_UP_WARPS 16  // warps of a gate/up block, splitting K
 #define SK_DOWN_WARPS 8  // warps of a down block, 32 output rows each
 
-// Gate/up: h[row0 + n, c0 + i] = silu(gate) * up for the pass's rows n < rows and the block's 16 columns
+// The skinny kernels are persistent: the grid is at most a wave of blocks, and a block takes the items (pass,
+// column tile) blockIdx.x, + gridDim.x, ... of the passes[0].x passes that moe_prep wrote. The launch cannot know
+// that count (no host sync: it is captured in graphs), so a grid of max_passes blocks per column tile would be mostly
+// blocks that read the count and exit, each holding an SM's slot for a global load (at 65 tokens, ~6,000 of the up
+// kernel's ~7,200 blocks).
+
+// Gate/up: h[row0 + n, c0 + i] = silu(gate) * up for the pass's rows n < rows and the item's 16 columns
 // [c0, c0 + 16) of h (gate rows c0 + i and up rows I + c0 + i of w13). The warps split K = H into 128-k chunks
-// (warp w: chunks w, w + 16, ...) with the next chunk's loads issued before the current chunk's mma; the block
-// sums the warps' partial tiles in shared memory.
-// Launch: grid (max_passes, I / 16), block 32 * SK_UP_WARPS; H % 128 == 0, group 32. h rows are natural k order.
-extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny(
+// (warp w: chunks w, w + 16, ...). A warp's chunks, over the block's items one after another, are one stream: each
+// lane cp.asyncs its 16-byte weight pieces and 4-byte scale pairs DEPTH - 1 chunks ahead into its own slots of a ring
+// in shared memory (so the stream runs on into the next items while the block sums the warps' partial tiles), and
+// loads its x pieces (from L2) one chunk ahead into registers.
+// Launch: grid min(max_passes * I / 16, SMs), block 32 * SK_UP_WARPS, the partial tiles' 16 KB and the rings'
+// SK_UP_WARPS * DEPTH * 32 * SK_UP_PIECE_BYTES of dynamic shared memory; H % 128 == 0, group 32. h rows are natural k
+// order.
+#define SK_UP_PIECE_BYTES 80  // a lane's slot: 4 weight pieces (16 B) and 4 scale pairs (4 B)
+template <int DEPTH>
+__device__ __forceinline__ void moe_up_skinny_ring(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
     const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
     __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {
-  __shared__ float part[SK_UP_WARPS][2][4][32];
-  if (blockIdx.x >= passes[0].x) return;
-  const int4 pass = passes[1 + blockIdx.x];
-  const int e = pass.x, row0 = pass.y, rows = pass.z;
+  extern __shared__ __align__(16) unsigned char sk_smem[];
+  float(*part)[2][4][32] = reinterpret_cast<float(*)[2][4][32]>(sk_smem);  // [SK_UP_WARPS]: the warps' partial tiles
+  const int tiles = I / 16, items = passes[0].x * tiles;
+  if ((int)blockIdx.x >= items) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-  const int c0 = blockIdx.y * 16, groups = H / 32, chunks = H / 128;
-  const uint4* wq = reinterpret_cast<const uint4*>(w13_packed);
-  const int gate = c0 + r;  // the expert's weight row of tile row r (gate); + 8, + I, + I + 8 the others
-  u32 wrow[2][2];  // 16-byte piece (and scale) index of group 0 of each row; skinny_group adds group g's offset
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, gate + m * I + 8 * hh, 2 * I, groups, tiled);
-  const uint4* xr = r < rows ? reinterpret_cast<const uint4*>(x) + (size_t)(sorted_slot[row0 + r] / k) * (H / 8)
-                             : nullptr;
-  float acc[2][4] = {};
-  uint4 w[2][2], xv[4];
-  __nv_bfloat16 sc[2][2];
-  auto load = [&](int ch, uint4 (*w_)[2], __nv_bfloat16 (*s_)[2], uint4* x_) {
-    const int g = 4 * ch + c;
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        w_[m][hh] = ld_stream(wq + wrow[m][hh] + skinny_group(g, 2 * I, tiled));
-        s_[m][hh] = w13_scale[wrow[m][hh] + skinny_group(g, 2 * I, tiled)];
-      }
-#pragma unroll
-    for (int q = 0; q < 4; ++q) x_[q] = xr != nullptr ? __ldg(xr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
-  };
-  if (warp < chunks) load(warp, w, sc, xv);
-  for (int ch = warp; ch < chunks; ch += SK_UP_WARPS) {
-    uint4 wn[2][2], xn[4];
-    __nv_bfloat16 sn[2][2];
-    const bool more = ch + SK_UP_WARPS < chunks;
-    if (more) load(ch + SK_UP_WARPS, wn, sn, xn);
-    skinny_chunk<2>(acc, w, sc, xv);
-    if (more) {
+  const int groups = H / 32, chunks = H / 128, N = 2 * I;
+  const u32 row_stride = tiled ? 2 : groups;  // pieces between consecutive weight rows (skinny_row)
+  // The lane's slot s of the ring: pieces at [s][q][lane] (16 B), scale pairs after them at [s][q][lane] (4 B).
+  const unsigned char* ring_p =
+      sk_smem + sizeof(float) * SK_UP_WARPS * 2 * 4 * 32 + warp * DEPTH * 32 * SK_UP_PIECE_BYTES;
+  const u32 ring = smem_addr(ring_p);
+  auto pass_of = [&](int it) { return it < items ? passes[1 + it / tiles] : make_int4(0, 0, 0, 0); };
+
+  // Issue side: the next chunk to copy (item, chunk, group-0 piece of its gate row c0 + r) and the pass of the item
+  // after it, read ahead.
+  int i_item = blockIdx.x, i_ch = warp;
+  int4 i_next = pass_of(i_item + gridDim.x);
+  u32 i_w0 = skinny_row(passes[1 + i_item / tiles].x, i_item % tiles * 16 + r, N, groups, tiled);
+  auto issue = [&](int pos) {  // copy the issue side's chunk into slot pos % DEPTH (nothing past the stream) and step
+    const u32 slot = ring + (pos % DEPTH) * 32 * SK_UP_PIECE_BYTES;
+    if (i_item < items && i_ch < chunks) {
+      const int g = 4 * i_ch + c;
 #pragma unroll
       for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          w[m][hh] = wn[m][hh];
-          sc[m][hh] = sn[m][hh];
+          const u32 row = i_w0 + (u32)(m * I + 8 * hh) * row_stride;
+          cp_async16(slot + ((2 * m + hh) * 32 + lane) * 16, w13_packed + 4 * (row + skinny_group(g, N, tiled)), true);
+          cp_async4(slot + 32 * 64 + ((2 * m + hh) * 32 + lane) * 4, w13_scale + row + skinny_group(g & ~1, N, tiled),
+                    true);
         }
+      i_ch += SK_UP_WARPS;
+      if (i_ch >= chunks) {  // on to the block's next item
+        i_item += gridDim.x;
+        i_ch = warp;
+        i_w0 = skinny_row(i_next.x, i_item % tiles * 16 + r, N, groups, tiled);
+        i_next = pass_of(i_item + gridDim.x);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Compute side: the item's rows and the lane's x row, x one chunk ahead.
+  struct Item {
+    int row0, rows, c0;
+    const uint4* xr;  // x row of the pass's row r (null past rows)
+  };
+  auto setup = [&](int it, Item& s) {
+    const int4 pass = passes[1 + it / tiles];
+    s.row0 = pass.y;
+    s.rows = pass.z;
+    s.c0 = it % tiles * 16;
+    s.xr = r < s.rows ? reinterpret_cast<const uint4*>(x) + (size_t)(sorted_slot[s.row0 + r] / k) * (H / 8) : nullptr;
+  };
+  auto load_x = [&](const Item& s, int ch, uint4* x_) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      x_[q] = s.xr != nullptr && ch < chunks ? __ldg(s.xr + 4 * (4 * ch + c) + q) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  int item = blockIdx.x, pos = 0;
+  Item cur, nxt;
+  setup(item, cur);
+  nxt = cur;
+  uint4 xv[4];
+  load_x(cur, warp, xv);
+#pragma unroll
+  for (int p = 0; p < DEPTH - 1; ++p) issue(p);
+  while (true) {
+    const int next_item = item + gridDim.x;
+    const bool has_next = next_item < items;
+    if (has_next) setup(next_item, nxt);
+    float acc[2][4] = {};
+    for (int ch = warp; ch < chunks; ch += SK_UP_WARPS, ++pos) {
+      uint4 xn[4];
+      if (ch + SK_UP_WARPS < chunks)
+        load_x(cur, ch + SK_UP_WARPS, xn);
+      else
+        load_x(nxt, has_next ? warp : chunks, xn);
+      cp_async_wait<DEPTH - 2>();  // this chunk's copies have landed (each lane reads only its own)
+      issue(pos + DEPTH - 1);       // into the slot the previous chunk was read from
+      const unsigned char* slot = ring_p + (pos % DEPTH) * 32 * SK_UP_PIECE_BYTES;
+      uint4 w[2][2];
+      __nv_bfloat16 sc[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          w[m][hh] = *reinterpret_cast<const uint4*>(slot + ((2 * m + hh) * 32 + lane) * 16);
+          sc[m][hh] = reinterpret_cast<const __nv_bfloat16*>(slot + 32 * 64 + ((2 * m + hh) * 32 + lane) * 4)[c & 1];
+        }
+      skinny_chunk<2>(acc, w, sc, xv);
 #pragma unroll
       for (int q = 0; q < 4; ++q) xv[q] = xn[q];
     }
-  }
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) part[warp][m][i][lane] = acc[m][i];
-  __syncthreads();
-  if (threadIdx.x < 128) {  // C element i of lane l: tile row (l >> 2) + 8 (i >> 1), column 2 (l & 3) + (i & 1)
-    const int l = threadIdx.x & 31, i = threadIdx.x >> 5, n = 2 * (l & 3) + (i & 1);
-    float g = 0.f, u = 0.f;
+      for (int i = 0; i < 4; ++i) part[warp][m][i][lane] = acc[m][i];
+    __syncthreads();
+    if (threadIdx.x < 128) {  // C element i of lane l: tile row (l >> 2) + 8 (i >> 1), column 2 (l & 3) + (i & 1)
+      const int l = threadIdx.x & 31, i = threadIdx.x >> 5, n = 2 * (l & 3) + (i & 1);
+      float g = 0.f, u = 0.f;
 #pragma unroll
-    for (int v = 0; v < SK_UP_WARPS; ++v) {
-      g += part[v][0][i][l];
-      u += part[v][1][i][l];
+      for (int v = 0; v < SK_UP_WARPS; ++v) {
+        g += part[v][0][i][l];
+        u += part[v][1][i][l];
+      }
+      if (n < cur.rows)
+        h[(size_t)(cur.row0 + n) * I + cur.c0 + (l >> 2) + 8 * (i >> 1)] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
     }
-    if (n < rows)
-      h[(size_t)(row0 + n) * I + c0 + (l >> 2) + 8 * (i >> 1)] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+    if (!has_next) break;
+    __syncthreads();  // part is rewritten by the next item
+    item = next_item;
+    cur = nxt;
   }
+  cp_async_wait<0>();
 }
+#define MOE_UP_SKINNY(DEPTH)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny_d##DEPTH(                       \
+      const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,                                     \
+      const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot,                           \
+      const int4* __restrict__ passes, __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {            \
+    moe_up_skinny_ring<DEPTH>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);                 \
+  }
+MOE_UP_SKINNY(2)
+MOE_UP_SKINNY(3)
 
-// Down: acc[token, n] += topk_weight * (W2[e] h)[n] for the pass's rows; warp w owns output rows
-// n0 = 256 blockIdx.y + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through shared memory so
-// a lane adds 4 consecutive outputs of one row with one red.global.add.v4.f32.
-// Launch: grid (max_passes, ceil(H / 256)), block 32 * SK_DOWN_WARPS; H % 16 == 0, I % 128 == 0, group 32.
+// Down: acc[token, n] += topk_weight * (W2[e] h)[n] for the pass's rows; per item (pass, tile of 256 outputs) warp
+// w owns output rows n0 = 256 tile + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through
+// shared memory so a lane adds 4 consecutive outputs of one row with one red.global.add.v4.f32. The blocks resident
+// on an SM hide each other's latencies.
+// Launch: grid min(max_passes * ceil(H / 256), 3 SMs) (74 registers: three blocks of 8 warps fit an SM), block
+// 32 * SK_DOWN_WARPS; H % 16 == 0, I % 128 == 0, group 32.
 extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
     const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
     const int* __restrict__ sorted_slot, const int4* __restrict__ passes, const float* __restrict__ topk_weights,
     float* __restrict__ acc_out, int k, int H, int I, int tiled) {
   __shared__ float tile[SK_DOWN_WARPS][16 * 8];
-  if (blockIdx.x >= passes[0].x) return;
-  const int4 pass = passes[1 + blockIdx.x];
-  const int e = pass.x, row0 = pass.y, rows = pass.z;
+  const int tiles = (H + 32 * SK_DOWN_WARPS - 1) / (32 * SK_DOWN_WARPS), n_pass = passes[0].x, items = n_pass * tiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-  const int n0 = blockIdx.y * 32 * SK_DOWN_WARPS + 32 * warp, groups = I / 32, chunks = I / 128;
-  if (n0 >= H) return;
-  const bool tile1 = n0 + 16 < H;
+  const int groups = I / 32, chunks = I / 128;
   const uint4* wq = reinterpret_cast<const uint4*>(w2_packed);
-  u32 wrow[2][2];  // as in moe_up_skinny; rows past H (a half block) are never loaded
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int4 pass = passes[1 + item % n_pass];  // passes first: the blocks at work share a tile of outputs
+    const int e = pass.x, row0 = pass.y, rows = pass.z;
+    const int n0 = item / n_pass * 32 * SK_DOWN_WARPS + 32 * warp;
+    if (n0 < H) {
+      const bool tile1 = n0 + 16 < H;
+      u32 wrow[2][2];  // as in moe_up_skinny; rows past H (a half block) are never loaded
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, n0 + r + 16 * m + 8 * hh, H, groups, tiled);
-  const uint4* hr = r < rows ? reinterpret_cast<const uint4*>(h) + (size_t)(row0 + r) * (I / 8) : nullptr;
-  float acc[2][4] = {};
+        for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, n0 + r + 16 * m + 8 * hh, H, groups, tiled);
+      const uint4* hr = r < rows ? reinterpret_cast<const uint4*>(h) + (size_t)(row0 + r) * (I / 8) : nullptr;
+      float acc[2][4] = {};
 #pragma unroll 2
-  for (int ch = 0; ch < chunks; ++ch) {
-    const int g = 4 * ch + c;
-    uint4 w[2][2], xv[4];
-    __nv_bfloat16 sc[2][2];
+      for (int ch = 0; ch < chunks; ++ch) {
+        const int g = 4 * ch + c;
+        uint4 w[2][2], xv[4];
+        __nv_bfloat16 sc[2][2];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const bool ok = m == 0 || tile1;
-        w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] + skinny_group(g, H, tiled)) : make_uint4(0u, 0u, 0u, 0u);
-        sc[m][hh] = ok ? w2_scale[wrow[m][hh] + skinny_group(g, H, tiled)] : __float2bfloat16(0.f);
+          for (int hh = 0; hh < 2; ++hh) {
+            const bool ok = m == 0 || tile1;
+            w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] + skinny_group(g, H, tiled)) : make_uint4(0u, 0u, 0u, 0u);
+            sc[m][hh] = ok ? w2_scale[wrow[m][hh] + skinny_group(g, H, tiled)] : __float2bfloat16(0.f);
+          }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = hr != nullptr ? __ldg(hr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
+        skinny_chunk<2>(acc, w, sc, xv);
       }
+      // Lane l adds outputs 4 (l >> 3) .. + 3 of the tile for pass row l & 7.
+      const int n = lane & 7, quad = lane >> 3;
+      int token = -1;
+      float wgt = 0.f;
+      if (n < rows) {
+        const int slot = sorted_slot[row0 + n];
+        token = slot / k;
+        wgt = topk_weights[slot];
+      }
+      float* t = tile[warp];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) xv[q] = hr != nullptr ? __ldg(hr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
-    skinny_chunk<2>(acc, w, sc, xv);
-  }
-  // Lane l adds outputs 4 (l >> 3) .. + 3 of the tile for pass row l & 7.
-  const int n = lane & 7, quad = lane >> 3;
-  int token = -1;
-  float wgt = 0.f;
-  if (n < rows) {
-    const int slot = sorted_slot[row0 + n];
-    token = slot / k;
-    wgt = topk_weights[slot];
-  }
-  float* t = tile[warp];
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    if (m == 1 && !tile1) break;
-    t[r * 8 + 2 * c] = acc[m][0];
-    t[r * 8 + 2 * c + 1] = acc[m][1];
-    t[(r + 8) * 8 + 2 * c] = acc[m][2];
-    t[(r + 8) * 8 + 2 * c + 1] = acc[m][3];
-    __syncwarp();
-    if (token >= 0) {
-      const float4 v = make_float4(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n],
-                                   wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
-      red_add4(acc_out + (size_t)token * H + n0 + 16 * m + 4 * quad, v);
+      for (int m = 0; m < 2; ++m) {
+        if (m == 1 && !tile1) break;
+        t[r * 8 + 2 * c] = acc[m][0];
+        t[r * 8 + 2 * c + 1] = acc[m][1];
+        t[(r + 8) * 8 + 2 * c] = acc[m][2];
+        t[(r + 8) * 8 + 2 * c + 1] = acc[m][3];
+        __syncwarp();
+        if (token >= 0) {
+          const float4 v = make_float4(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n],
+                                       wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
+          red_add4(acc_out + (size_t)token * H + n0 + 16 * m + 4 * quad, v);
+        }
+        __syncwarp();
+      }
     }
-    __syncwarp();
   }
 }
 
