@@ -28,8 +28,10 @@ def unfused(monkeypatch):
     monkeypatch.setattr(k2, "mla_rope_cache", mla_rope_cache_reference)
     monkeypatch.setattr(k2, "moe_route", moe_route_reference)
 
-    def route_then_moe(x, w13p, w13s, w2p, w2s, logits, bias, *routing, add=None):
+    def route_then_moe(x, w13p, w13s, w2p, w2s, logits, bias, *routing, add=None, add_stream=None):
         ids, weights = moe_route_reference(logits, bias, *routing)
+        if add_stream is not None:  # the shared experts' stream
+            torch.cuda.current_stream().wait_stream(add_stream)
         return w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add), ids, weights
 
     monkeypatch.setattr(k2, "routed_w4a16_moe", route_then_moe)
@@ -70,3 +72,29 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     # once where torch rounds x1 * cos and x2 * sin apart (on the CPU, only that change moves them 1.5%).
     assert rel_err(fused, ref) < 3e-2
     assert rel_err(fused_kv, ref_kv) < 1e-2
+
+
+def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch):
+    """The MoE layer runs its shared experts on a side stream beside the router and the routed experts; the
+    finalize waits for them. With the side stream held back ~25 ms, the layer still equals one whose shared experts
+    run on the current stream (without the wait it would add a buffer the shared experts had not written yet)."""
+    cfg = k2_shard_config()
+    model = random_model(cfg)
+    moe = next(m for m in model.modules() if isinstance(m, k2.MoE))
+    assert moe.shared is not None and cfg.quantization is not None
+    x = torch.randn(5, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
+    side = torch.cuda.Stream()
+
+    def held_back(device):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # cycles
+        return side
+
+    with torch.no_grad():
+        monkeypatch.setattr(k2, "_side_stream", lambda device: torch.cuda.current_stream(device))
+        one_stream = moe(x).float()
+        monkeypatch.setattr(k2, "_side_stream", held_back)
+        beside = moe(x).float()
+    torch.cuda.synchronize()
+    assert torch.isfinite(beside).all()
+    assert rel_err(beside, one_stream) < 1e-3  # the routed experts' fp32 atomics: equal up to summation order

@@ -6,7 +6,8 @@ compressed-tensors ``pack-quantized`` INT4 (see ``int4.py``): rows ``[0, I)`` of
 rows ``[I, 2I)`` up_proj; group size ``g = H / w13_scale.shape[-1]``.
 
 ``add`` (optional, ``[T, H]`` in ``x.dtype``) is added to the result, rounded as ``routed + add`` rounds in torch
-(the MoE layer passes its shared expert's output).
+(the MoE layer passes its shared expert's output). ``add_stream`` (optional, CUDA): the stream that writes ``add``
+beside this call's routing and GEMMs; the final kernel waits for it (the stream's work joins a graph capture there).
 
 CPU tensors run the torch reference (fp32 math over the dequantized experts that are used). CUDA
 tensors run four kernels from ``cuda/w4a16_moe.cu`` on torch's current stream, with no host sync, so a
@@ -234,7 +235,8 @@ def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor
 def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                      w2_scale: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                      topk_group: int, renormalize: bool, scale: float, local_experts: tuple[int, int] | None,
-                     add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_route` then :func:`w4a16_moe` -> ``(out [T, H], ids [T, k] int64, weights [T, k] fp32)``.
 
     ``logits [T, E]`` fp32 and ``bias [E]`` fp32 are the router's; the routing arguments are moe_route's (all
@@ -250,6 +252,7 @@ def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch
                          f"{tuple(logits.shape)} on {logits.device}, w13_packed {tuple(w13_packed.shape)}")
     if not (x.is_cuda and 1 <= T <= ROUTE_PREP_MAX_T and E <= ROUTE_PREP_MAX_E):
         ids, weights = moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scale, local_experts)
+        _join(add_stream, x.device)  # w4a16_moe reads add from its start here
         return w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add), ids, weights
     check_cuda_routing(E, top_k, n_group)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
@@ -258,7 +261,7 @@ def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch
                                  renormalize, scale, local_experts)
     group_scratch = 4 * T * E if n_group > 1 else 0  # a warp's E floats per token
     out = _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add,
-                          routing=(args, defines, group_scratch))
+                          routing=(args, defines, group_scratch), add_stream=add_stream)
     return out, ids, weights
 
 
@@ -322,7 +325,8 @@ def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> 
 
 
 def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
-                    variant: str | None = None, routing: tuple | None = None) -> torch.Tensor:
+                    variant: str | None = None, routing: tuple | None = None,
+                    add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The CUDA path; ``variant`` (a ``VARIANTS`` or ``WGMMA_VARIANTS`` key, or ``SKINNY``) overrides the choice by
     shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
     scratch) makes the prep launch write ``topk_ids`` and ``topk_weights`` first."""
@@ -339,6 +343,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     dev, i32 = x.device, np.int32
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     if T == 0:
+        _join(add_stream, dev)
         return out
     sms, slots = sm_count(dev.index), T * k
     tiled = is_tiled(w13_packed)
@@ -352,7 +357,8 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
         for t0 in range(0, T, WG_CHUNK_TOKENS):  # tokens are independent: chunks give the same bits
             t1 = min(T, t0 + WG_CHUNK_TOKENS)
             _wgmma_moe(variant, x[t0:t1], w13_packed, w13_scale, w2_packed, w2_scale, topk_ids[t0:t1],
-                       topk_weights[t0:t1], None if add is None else add[t0:t1], out[t0:t1], routing, E, H, I, k, sms)
+                       topk_weights[t0:t1], None if add is None else add[t0:t1], out[t0:t1], routing, E, H, I, k, sms,
+                       add_stream)
         return out
     if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
@@ -383,9 +389,16 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
         _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
                     topk_weights, k, H, I, E, slots, max_passes, sms, tiled)
     n4 = T * H // 4
+    _join(add_stream, dev)
     launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
            (acc, add if add is not None else 0, out, i32(n4)), device=dev)
     return out
+
+
+def _join(add_stream: torch.cuda.Stream | None, dev: torch.device):
+    """The current stream waits for ``add_stream``'s work so far (``add``'s writer), when there is one."""
+    if add_stream is not None:
+        torch.cuda.current_stream(dev).wait_stream(add_stream)
 
 
 def _skinny_up_smem(depth: int) -> int:
@@ -444,7 +457,7 @@ def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_sc
 
 
 def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out, routing,
-               E, H, I, k, sms) -> torch.Tensor:
+               E, H, I, k, sms, add_stream=None) -> torch.Tensor:
     """The wgmma family: prep (the sort; for ``rs`` x permuted too), the gate/up GEMM (``moe_up_rs`` or
     ``moe_up_<variant>``) -> h [T*k, I], the down GEMM (``moe_down_rs``, or the ``wg`` one of the pass size) -> y
     [T*k, H] (each slot's weighted row, bf16), ``moe_finalize_slots`` (each token's rows summed in slot order: the
@@ -494,6 +507,7 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
            (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I), i32(n_down),
             i32(tpb)), shared_mem=smem, device=dev)
     n8 = T * H // 8
+    _join(add_stream, dev)
     launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
            (y, topk_ids, add if add is not None else 0, out, i32(T), i32(H), i32(k), i32(E)), device=dev)
     return out

@@ -139,6 +139,17 @@ def dense_experts(x, w13, w2, ids, weights) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream (one per GPU) on which an MoE layer runs its shared experts beside its routed ones."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
 class MoE(nn.Module):
     """Sigmoid-routed experts plus shared experts. Experts split by width (TP) or by id (EP)."""
 
@@ -173,21 +184,27 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``, one all-reduce over the group."""
         cfg = self.cfg
+        shared, side = None, None
+        if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
+            if x.is_cuda and cfg.quantization is not None:  # beside the router and the routing, which need only x too
+                side = _side_stream(x.device)
+                side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):  # (no-op for None)
+                shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
+            if side is not None:  # made on the side stream, read on this one (the MoE's finalize waits for it)
+                shared.record_stream(torch.cuda.current_stream(x.device))
         if x.is_cuda and x.dtype != torch.float32:
             logits = torch.mm(x, self.gate.t(), out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
         else:
             logits = F.linear(x.float(), self.gate.float())
         routing = (logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    cfg.norm_topk_prob, cfg.routed_scaling_factor, (self.e0, self.experts) if self.ep else None)
-        shared = None
-        if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
-            shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
         if self.cfg.quantization is None:
             out = dense_experts(x, self.w13, self.w2, *moe_route(*routing))  # ids, weights [T, k]
             out = out if shared is None else out + shared
         else:  # few tokens: routed inside the MoE's first launch
             out, _, _ = routed_w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, *routing,
-                                         add=shared)
+                                         add=shared, add_stream=side)
         return self.group.all_reduce(out) if self.group.size > 1 else out
 
     def load(self, reader: CheckpointReader, prefix: str):
