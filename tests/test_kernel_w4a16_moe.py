@@ -493,34 +493,29 @@ def test_cuda_other_families_read_the_tiled_layout(T, H, I, E, k, variant):
         pytest.skip("the skinny path needs H and I multiples of 128")
     if VARIANTS.get(variant, (0, 1))[1] == 2 and I % 128:
         pytest.skip("n2 tiles need I % 128 == 0")
-    gen = torch.Generator("cuda").manual_seed(T + H + len(variant))
-    ct = random_int4_experts(E, H, I, "cuda", gen)
-    tiled = repack_int4_experts(*ct)
-    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-    ids, weights = _routing(T, E, k, "cuda", skip=0.1, gen=gen)
-    poison_allocator()
-    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=variant)
-    poison_allocator()
-    out_ct = _w4a16_moe_cuda(x, *ct, ids, weights, variant=variant)
-    torch.testing.assert_close(out, out_ct, rtol=2 ** -7, atol=2 ** -8 * out_ct.abs().max().item())
-    assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
+    tiled_equals_compressed(T, H, I, E, k, None, 0.1, variant, seed=T + H + len(variant))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,I,E,k,used,skip", [s for s in SKINNY_SHAPES if s[1] % 128 == 0 and s[2] % 128 == 0])
 def test_cuda_skinny_tiled_matches_compressed(T, H, I, E, k, used, skip):
-    """The skinny path on the tiled layout (on sm_90 its gate/up weights come by TMA through a ring of stages that runs
-    across a block's items: the 2000-token shape gives each block ~240 items) equals it on compressed-tensors."""
-    gen = torch.Generator("cuda").manual_seed(T + 7 * H + I)
+    """The skinny path on the tiled layout equals it on compressed-tensors on every skinny shape (the 2000-token one
+    gives each persistent block ~240 items, the 130-token one 11 passes per expert)."""
+    tiled_equals_compressed(T, H, I, E, k, used, skip, SKINNY, seed=T + 7 * H + I)
+
+
+def tiled_equals_compressed(T, H, I, E, k, used, skip, variant, seed):
+    """``variant`` on the tiled layout equals it on compressed-tensors (up to rounding) and the reference."""
+    gen = torch.Generator("cuda").manual_seed(seed)
     ct = random_int4_experts(E, H, I, "cuda", gen)
     tiled = repack_int4_experts(*ct)
     experts = None if used is None else torch.randperm(E, device="cuda", generator=gen)[:used]
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     ids, weights = _routing(T, E, k, "cuda", experts, skip, gen)
     poison_allocator()
-    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
+    out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=variant)
     poison_allocator()
-    out_ct = _w4a16_moe_cuda(x, *ct, ids, weights, variant=SKINNY)
+    out_ct = _w4a16_moe_cuda(x, *ct, ids, weights, variant=variant)
     torch.testing.assert_close(out, out_ct, rtol=2 ** -7, atol=2 ** -8 * out_ct.abs().max().item())
     assert rel_err(out, w4a16_moe_reference(x.float(), *ct, ids, weights)) < 1e-2
 
