@@ -530,7 +530,7 @@ def test_cuda_skinny_every_ring_depth(depth, monkeypatch):
     tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     ids, weights = _routing(T, E, k, "cuda", skip=0.1, gen=gen)
-    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_depth", lambda dev: depth)
+    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_depth", lambda device_index: depth)
     poison_allocator()
     out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
     assert rel_err(out, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2

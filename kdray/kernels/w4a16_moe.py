@@ -29,17 +29,17 @@ Three families of GEMM kernels: with few rows per expert (decode and small verif
 (passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
 pass's rows as its 8 columns; K split across the warps of a block; persistent blocks over (pass, column tile) items,
 a wave at most, since the pass count is only known on the device; the gate/up GEMM's lanes cp.async their pieces
-into a ring in shared memory, ``SKINNY_UP_DEPTHS``), otherwise the tile path (``VARIANTS``: weights
-staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
+into a ring in shared memory, ``SKINNY_UP_DEPTHS``), otherwise the tile path (``VARIANTS``: weights staged through a
+cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
 ``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``). Its down GEMM writes each
 (token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results
 are the same bits on every call. The chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
 (``moe_up_rs``, ``moe_down_rs``): the weights are wgmma's A operand, dequantized into registers in the tile path's k
 order, and the pass's rows (x permuted by the prep into that order; h written in it) its N columns, N the rows
 rounded up to 8 up to 32 (at least 16), then to 16; with I > ``RSD_MAX_I`` its down GEMM is ``wg128``'s. ``wg64``
-and ``wg128`` (64- or 128-row passes, kept for sweeps) stream N tiles of 256 weight rows, 64 k per stage, the INT4 tile dequantized once per
-pass into bf16 shared memory and both wgmma operands from there, x and h in natural k order. The family runs batches
-of more than ``WG_CHUNK_TOKENS`` tokens in chunks.
+and ``wg128`` (64- or 128-row passes, kept for sweeps) stream N tiles of 256 weight rows, 64 k per stage, the INT4
+tile dequantized once per pass into bf16 shared memory and both wgmma operands from there, x and h in natural k
+order. The family runs batches of more than ``WG_CHUNK_TOKENS`` tokens in chunks.
 
 Expert layouts: compressed-tensors (``[E, N, K/8]`` int32 and ``[E, N, K/32]`` scales, as loaded) or the tiled
 layout of :func:`repack_int4_experts` (``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]``: one K tile of an N tile's rows is
@@ -48,6 +48,7 @@ needs the tiled one. ``MoE.load`` (``model/k2.py``) repacks the experts when the
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -377,7 +378,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
 
     _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
     if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave
-        depth = _skinny_up_depth(dev)
+        depth = _skinny_up_depth(dev.index)
         launch("w4a16_moe", f"moe_up_skinny_d{depth}", (min(max_passes * (I // 16), sms),), (SKINNY_UP_THREADS,),
                (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)),
                shared_mem=_skinny_up_smem(depth), device=dev)
@@ -406,9 +407,10 @@ def _skinny_up_smem(depth: int) -> int:
     return 16 * 2 * 4 * 32 * 4 + 16 * depth * 32 * 80
 
 
-def _skinny_up_depth(dev: torch.device) -> int:
-    """The deepest ring of ``SKINNY_UP_DEPTHS`` whose shared memory the GPU gives a block."""
-    limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+@functools.cache
+def _skinny_up_depth(device_index: int) -> int:
+    """The deepest ring of ``SKINNY_UP_DEPTHS`` whose shared memory the GPU gives a block (asked once per GPU)."""
+    limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
     return max(d for d in SKINNY_UP_DEPTHS if _skinny_up_smem(d) <= limit)
 
 
