@@ -18,25 +18,18 @@ GQA form (Llama family): ``q [T, Hq, D]``, ``kv_cache [P, S, 2, Hkv, D]`` (keys 
 output ``[T, Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
 
 CUDA tensors run the kernels in ``cuda/tree_verify_attention.cu`` (tensor cores for bf16 with the head dims
-in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two for trees with key splits), no host
+in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two with key splits), no host
 sync, one allocation (the output), so a verify step can be captured in a CUDA graph. CPU tensors run the torch
 reference below.
 
 Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the
-grid gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once (``_num_splits``). The kernel then
-cuts a sequence of ``nb`` key tiles into runs of ``per`` tiles, and every run writes a partial.
-
-With one query per sequence (decode: a tile holds one query's heads) the tile's last CTA merges them (a ticket
-per tile), one launch in all. Cost model, both terms bytes through one SM: the slowest run streams ``per`` key
-tiles (64 cache rows each: 72 KiB for K2) and the merging CTA reads ``nb / per`` partials of ``rows * Dv * 2`` bytes
-(``rows``: the tile's real rows). Their sum is least at ``per = sqrt(nb * rows * Dv * 2 / key-tile bytes)``,
-which the kernel takes (rounded, and at least ``nb / n_splits``). At one K2 query with a 4096 prefix (``nb`` =
-65, 8 rows) that is 22 runs of 3 tiles, merging 176 KiB, where filling the GPU took 65 runs of one tile and
-merged 520 KiB. With several queries per sequence (a tree) the tiles hold up to 64 rows, and one CTA merging a
-tile's partials serialises what a second kernel, ``tva_combine`` (a warp per row and 128 values), spreads over
-the GPU: measured on one K2 shard (H200, 1 + 16 tree nodes after 4096 keys), the tile's own merge took the
-attention from 1.6 to 3.3 ms per 61-layer pass, where at one query it went from 1.36 to 1.14 ms. So trees keep
-``per = nb / n_splits`` (every split CTA busy) and the second launch.
+grid gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once (``_num_splits``), each streaming an
+equal run of the sequence's key tiles and writing a partial; ``tva_combine`` then merges each row's partials, a
+warp per (row, 32-256 value columns). Both halves are spread over the GPU because one SM moves only tens of GB/s.
+Measured on the H200 at one K2 query after 4096 keys, the earlier form, where the tile's last CTA merged 22
+partials after each split had streamed 3 key tiles, spent 6.3 us in those tiles and 5.7 us in that merge, and
+trees spent 4-7 us writing their partials 4 bytes at a time; the partials now leave through shared memory as
+16-byte stores (``benchmarks/results/tree-attention-2026-12-02-h200-session16.txt``).
 """
 from __future__ import annotations
 
@@ -141,8 +134,7 @@ def gqa_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 # sequence's ceil(q_len * G / 64) tiles are numbered consecutively, so ceil(T * G / 64) + min(B, T) - 1 tiles
 # always suffice and the surplus CTAs return at once. With n_splits > 1 the partials (bf16 [n_splits, T*Hq, Dv]
 # normalised by their own row sums, plus fp32 [n_splits, T*Hq] (max, sum) pairs) share the output's single
-# allocation; at one query per sequence each (tile, KV head) counts its arrived CTAs in the device's tickets,
-# otherwise tva_combine merges the partials. Everything else (fp32; other head dims) runs the CUDA-core kernel
+# allocation and tva_combine merges them. Everything else (fp32; other head dims) runs the CUDA-core kernel
 # tva_simt_*, one CTA per output row.
 
 _MODULE = "tree_verify_attention"
@@ -152,7 +144,6 @@ _MMA = {  # (Dk, Dv, values inside the key row) -> (kernel, warpgroups, CTAs tha
     (64, 64, False): ("tva_mma_gqa64", 1, 4),
     (128, 128, False): ("tva_mma_gqa128", 1, 2),
 }
-_SLOTS_PER_SM = max(m[2] for m in _MMA.values())
 
 
 def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
@@ -167,21 +158,9 @@ def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
     return max(1, min(slots // max(tiles, 1), key_tiles))
 
 
-_TICKETS: dict[int, torch.Tensor] = {}
-
-
-def _tickets(dev: torch.device) -> torch.Tensor:
-    """The device's split tickets, one per (tile, KV head): int32 ``[SMs * _SLOTS_PER_SM]``, zero between launches
-    (each tile's last CTA zeroes its own). Splits need ``tiles <= slots // 2``, so they always fit. Launches on one
-    device run in stream order. Made at the device's first launch, which must be eager: memory taken inside a graph
-    capture would belong to that graph's pool."""
-    t = _TICKETS.get(dev.index)
-    if t is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the first tree-verify attention on a device is inside a CUDA graph capture; run the "
-                               "captured function eagerly once first")
-        t = _TICKETS[dev.index] = torch.zeros(_SLOTS_PER_SM * sm_count(dev.index), dtype=torch.int32, device=dev)
-    return t
+def _combine_cols(rows: int, dv: int, sms: int) -> int:
+    """Value columns per ``tva_combine`` warp: the widest that still gives every SM ~8 warps, at least 32."""
+    return next((vw for vw in (256, 128, 64) if dv % vw == 0 and rows * (dv // vw) >= 8 * sms), 32)
 
 
 def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, *, kv_heads, dv,
@@ -244,13 +223,12 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     kernel, warpgroups, _ = mma
     defines = (("TVA_MMA_SYNC", 1),) if mma_sync else ()
     ws_o, ws_ml = (ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (0, 0)  # 0: null pointers
-    merge_here = T <= B  # one query per sequence (or none)
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
-           inputs + (out, ws_o, ws_ml, _tickets(dev) if merge_here else 0) + shape_args + geo_args
-           + (i32(n_splits), i32(merge_here)),
+           inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits),),
            shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
-    if n_splits > 1 and not merge_here:
-        launch(_MODULE, "tva_combine", (-(-T * hq * -(-dv // 128) // 4),), (128,),
-               (ws_o, ws_ml, out, cu_q, prefix_lens, i32(B), i32(T), i32(hq), i32(dv), i32(n_splits)), device=dev,
-               defines=defines)
+    if n_splits > 1:
+        vw = _combine_cols(T * hq, dv, sm_count(dev.index))
+        launch(_MODULE, "tva_combine", (-(-T * hq * (dv // vw) // 4),), (128,),
+               (ws_o, ws_ml, out, cu_q, prefix_lens, i32(B), i32(T), i32(hq), i32(dv), i32(n_splits), i32(vw)),
+               shared_mem=4 * 2 * n_splits * 4, device=dev, defines=defines)
     return out

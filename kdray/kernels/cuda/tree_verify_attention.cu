@@ -10,9 +10,8 @@
 //            the NWG warpgroups accumulates O for DV / NWG value columns, P and the rescale factors
 //            reaching the other warpgroup through shared memory. Products: wgmma on sm_90a, mma.sync
 //            m16n8k16 elsewhere or with TVA_MMA_SYNC defined; both share every layout. With several
-//            splits (flash-decoding) each CTA writes its partial to the workspace. One query per sequence
-//            (decode): each takes a ticket and the tile's last CTA merges the partials (out = sum_s w_s O_s /
-//            sum_s w_s) and zeroes the ticket. Otherwise tva_combine merges them, spread over the GPU.
+//            splits (flash-decoding) each CTA writes its partial to the workspace and tva_combine merges
+//            them (out = sum_s w_s O_s / sum_s w_s), spread over the GPU.
 // tva_simt_*  any head dims, fp32 or bf16: one CTA per row on the CUDA cores (correctness fallback).
 #include <cuda_bf16.h>
 
@@ -184,105 +183,26 @@ struct MmaCfg {
   static constexpr int Q_BYTES = BM * DK * 2, K_BYTES = BN * DK * 2;
   static constexpr int STAGE_BYTES = K_BYTES + (V_IN_K ? 0 : BN * DV * 2);
   static constexpr int X_OFF = Q_BYTES + 2 * STAGE_BYTES;
-  static constexpr int MERGE_ITEMS = NWG > 1 ? 2 : 1;  // (row, 16 B) items a merging thread loads at once
+  static constexpr int O_ROW_BYTES = DV * 2;  // the output tile, staged over Q and the stages after the loop
   static_assert(DK % 64 == 0 && DVW % 64 == 0 && (!V_IN_K || DV <= DK), "unsupported head dims");
-
-  // Key tiles per split of a sequence of nb key tiles, for a CTA tile of `rows` real rows (the cost model is in
-  // tree_verify_attention.py). At least ceil(nb / n_splits): the grid has n_splits. Merged by tva_combine, just
-  // that (every split CTA busy). Merged in the kernel: per * STAGE_BYTES streamed by a split plus nb / per
-  // partials of rows * DV * 2 bytes merged by the last CTA is least at per = sqrt(nb * rows * DV * 2 / STAGE_BYTES).
-  static __device__ __forceinline__ int tiles_per_split(int nb, int rows, int n_splits, bool merge_here) {
-    constexpr float RATIO = 2.f * DV / STAGE_BYTES;
-    const int fill = max(1, (nb + n_splits - 1) / n_splits);
-    if (!merge_here) return fill;
-    const int best = max(1, __float2int_rn(sqrtf((float)nb * rows * RATIO)));
-    return min(nb, max(best, fill));
-  }
+  static_assert(BM * O_ROW_BYTES <= X_OFF, "the staged output tile must fit below the P exchange");
 };
 
-// The last CTA of a tile: out = sum_s w_s O_s / sum_s w_s over its `used` partials, w_s = l_s 2^(m_s - max).
-// Each thread takes NI (row, 16-byte chunk) items and NS splits per step, every load of a step in flight at once,
-// through L2 (other CTAs wrote them); out_row(r) is the output row of the tile's row r.
-template <int DV, int NI, typename OutRow>
-__device__ __forceinline__ void merge_splits(const bf16* __restrict__ ws_o, const float2* __restrict__ ws_ml,
-                                             bf16* __restrict__ out, long long rows_total, int used, int rows,
-                                             OutRow out_row) {
-  constexpr int CH = DV / 8, NS = 8;  // 16-byte chunks per row; splits per step
-  const int items = rows * CH, nt = blockDim.x;
-  for (int it = threadIdx.x; it < items; it += NI * nt) {
-    long long row[NI];
-    int col[NI];
-    bool ok[NI];
-    float acc[NI][8], mx[NI], den[NI];
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int item = it + i * nt;
-      ok[i] = item < items;
-      row[i] = out_row(ok[i] ? item / CH : 0);
-      col[i] = item % CH * 8;
-      mx[i] = -INFINITY;
-      den[i] = 0.f;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) acc[i][c] = 0.f;
-    }
-    for (int s0 = 0; s0 < used; s0 += NS) {
-      uint4 v[NI][NS];
-      float2 ml[NI][NS];
-#pragma unroll
-      for (int i = 0; i < NI; ++i)
-#pragma unroll
-        for (int j = 0; j < NS; ++j) {
-          const long long p = (s0 + j) * rows_total + row[i];
-          const bool live = ok[i] && s0 + j < used;
-          ml[i][j] = live ? __ldcg(ws_ml + p) : make_float2(-INFINITY, 0.f);
-          v[i][j] = live ? __ldcg(reinterpret_cast<const uint4*>(ws_o + p * DV + col[i])) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        float m_new = mx[i];
-#pragma unroll
-        for (int j = 0; j < NS; ++j) m_new = fmaxf(m_new, ml[i][j].x);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet: keep exp2 finite
-        const float f = exp2f(mx[i] - m_use);
-        den[i] *= f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[i][c] *= f;
-#pragma unroll
-        for (int j = 0; j < NS; ++j) {
-          const float w = ml[i][j].y * exp2f(ml[i][j].x - m_use);
-          const u32 h[4] = {v[i][j].x, v[i][j].y, v[i][j].z, v[i][j].w};
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
-            acc[i][2 * c] = fmaf(w, x.x, acc[i][2 * c]);
-            acc[i][2 * c + 1] = fmaf(w, x.y, acc[i][2 * c + 1]);
-          }
-          den[i] += w;
-        }
-        mx[i] = m_new;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      if (!ok[i]) continue;
-      const float inv = 1.f / den[i];
-      uint4 r;
-      r.x = pack_bf16(acc[i][0] * inv, acc[i][1] * inv);
-      r.y = pack_bf16(acc[i][2] * inv, acc[i][3] * inv);
-      r.z = pack_bf16(acc[i][4] * inv, acc[i][5] * inv);
-      r.w = pack_bf16(acc[i][6] * inv, acc[i][7] * inv);
-      *reinterpret_cast<uint4*>(out + row[i] * DV + col[i]) = r;
-    }
-  }
-}
+// Key tiles per split of a sequence of nb key tiles when the grid has n_splits: every split CTA busy. tva_combine
+// recomputes it.
+__device__ __forceinline__ int tiles_per_split(int nb, int n_splits) { return max(1, (nb + n_splits - 1) / n_splits); }
+
+// Byte offset of 16-byte chunk c of row r in a staged [64][row_bytes] output tile: the chunk index XORed with r % 8,
+// so that the 8 rows a warp's accumulator store touches fall in different banks.
+__device__ __forceinline__ u32 o_swz(int r, int c, int row_bytes) { return r * row_bytes + ((c ^ (r & 7)) << 4); }
 
 template <int DK, int DV, bool V_IN_K, int NWG>
 __device__ __forceinline__ void tva_mma_body(
     const bf16* __restrict__ q, const bf16* __restrict__ kv, const int* __restrict__ block_table,
     const int* __restrict__ prefix_lens, const int* __restrict__ cu_q, const int* __restrict__ tree_mask,
-    bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int* __restrict__ tickets, int B,
+    bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int B,
     int T, int Hq, int Hkv, int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off,
-    float scale_log2, int n_splits, int merge_here) {
+    float scale_log2, int n_splits) {
   using C = MmaCfg<DK, DV, V_IN_K, NWG>;
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
@@ -292,7 +212,7 @@ __device__ __forceinline__ void tva_mma_body(
   const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, prefix = prefix_lens[b], n_keys = prefix + q_len;
   // This tile's key tiles are cut into `used` runs of `per`; grid splits past them have nothing to do.
   const int rows = min(BM, q_len * G - tile * BM), nb = (n_keys + BN - 1) / BN;
-  const int per = C::tiles_per_split(nb, rows, n_splits, merge_here), used = (nb + per - 1) / per;
+  const int per = tiles_per_split(nb, n_splits), used = (nb + per - 1) / per;
   if (split >= used) return;
   int kb = split * per;
   const int kb_end = min(kb + per, nb);
@@ -447,53 +367,46 @@ __device__ __forceinline__ void tva_mma_body(
     }
   }
 
-  const long long rows_total = (long long)T * Hq;
-  auto out_row = [&](int r) {  // output row of tile row r (< rows)
-    const int gr = tile * BM + r;
-    return (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
-  };
+  // The tile's rows, each normalised by its own sum, go through shared memory (over Q and the stages: every
+  // warp is past its last product) so that each row leaves as 16-byte stores of consecutive columns: to the output
+  // when one split holds all the keys, else to this split's partial, with its (max, sum), for tva_combine.
+  __syncthreads();
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    if (r0 + 8 * e >= rows) continue;
-    const long long row = out_row(r0 + 8 * e);
-    const int col = c0 + 2 * t4;
-    if (used == 1) {
-      const float inv = 1.f / l[e];
-      bf16* dst = out + row * DV + col;
+    const int r = r0 + 8 * e;
+    const float inv = l[e] > 0.f ? 1.f / l[e] : 0.f;  // a split may hold no key this row sees
 #pragma unroll
-      for (int j = 0; j < C::DVW / 8; ++j)
-        *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
-    } else {
-      const float inv = l[e] > 0.f ? 1.f / l[e] : 0.f;  // a split may hold no key this row sees
-      bf16* dst = ws_o + ((long long)split * rows_total + row) * DV + col;
+    for (int j = 0; j < C::DVW / 8; ++j)
+      *reinterpret_cast<u32*>(smem + o_swz(r, c0 / 8 + j, C::O_ROW_BYTES) + 4 * t4) =
+          pack_bf16(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
+  }
+  const long long rows_total = (long long)T * Hq;
+  bf16* const dst = used == 1 ? out : ws_o + split * rows_total * DV;
+  if (used > 1 && wg == 0 && t4 == 0) {
 #pragma unroll
-      for (int j = 0; j < C::DVW / 8; ++j)
-        *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
-      if (wg == 0 && t4 == 0) ws_ml[split * rows_total + row] = make_float2(m[e], l[e]);
+    for (int e = 0; e < 2; ++e) {
+      const int gr = tile * BM + r0 + 8 * e;
+      if (r0 + 8 * e < rows)
+        ws_ml[split * rows_total + (long long)(q0 + gr / G) * Hq + kvh * G + gr % G] = make_float2(m[e], l[e]);
     }
   }
-  if (used == 1 || !merge_here) return;  // otherwise tva_combine merges
-
-  // Ticket of this (tile, KV head): release this CTA's partials, then the CTA that arrives last merges them.
-  int* ticket = tickets + blockIdx.z * gridDim.x + blockIdx.x;
-  __threadfence();  // this CTA's partials are visible before its ticket is
   __syncthreads();
-  int last = 0;
-  if (tid == 0) last = atomicAdd(ticket, 1) == used - 1;
-  if (!__syncthreads_or(last)) return;
-  __threadfence();
-  merge_splits<DV, C::MERGE_ITEMS>(ws_o, ws_ml, out, rows_total, used, rows, out_row);
-  if (tid == 0) *ticket = 0;  // for the next launch
+  constexpr int CH = DV / 8;  // 16-byte chunks per row
+  for (int it = tid; it < rows * CH; it += NWG * 128) {
+    const int r = it / CH, c = it % CH, gr = tile * BM + r;
+    const long long row = (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
+    *reinterpret_cast<uint4*>(dst + row * DV + c * 8) =
+        *reinterpret_cast<const uint4*>(smem + o_swz(r, c, C::O_ROW_BYTES));
+  }
 }
 
 #define TVA_MMA_ARGS                                                                                        \
   const bf16 *q, const bf16 *kv, const int *block_table, const int *prefix_lens, const int *cu_q,            \
-      const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int *tickets, int B, int T, int Hq,        \
-      int Hkv, int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2,   \
-      int n_splits, int merge_here
+      const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int B, int T, int Hq, int Hkv,             \
+      int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2, int n_splits
 #define TVA_MMA_PASS                                                                                        \
-  q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, tickets, B, T, Hq, Hkv, page_shift,    \
-      max_pages, Qmax, W, row_stride, v_off, scale_log2, n_splits, merge_here
+  q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, B, T, Hq, Hkv, page_shift, max_pages,   \
+      Qmax, W, row_stride, v_off, scale_log2, n_splits
 
 // MLA latent (576-dim keys, values = their first 512 columns, one KV head).
 extern "C" __global__ void __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
@@ -508,45 +421,92 @@ extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa128(TVA_MMA_ARGS) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Split-K combine, when the split kernel does not merge (several query rows per sequence: one merging CTA per
-// tile would serialise what this spreads over the GPU): one warp per (output row, 128 value columns), four
-// columns a lane. Partials: ws_o [n_splits, T*Hq, DV] bf16 (each normalised by its own row sum), ws_ml
+// Split-K combine: out = sum_s w_s O_s / sum_s w_s with w_s = l_s 2^(m_s - max), over the splits that hold keys of
+// the row's sequence. Partials: ws_o [n_splits, T*Hq, DV] bf16 (each normalised by its own row sum), ws_ml
 // [n_splits, T*Hq] = (running max in log2 units, row sum); a sequence whose keys took one split has its output.
+// One warp per (output row, VW value columns): VW / 8 lanes load one split's 16 bytes of those columns, so one
+// warp-wide load covers 256 / VW splits, and every lane keeps NL loads in flight. The host picks VW (32 to 256) so
+// that a few rows still spread over many warps: an SM pulls only tens of GB/s, so no SM may read many partials.
+template <int VW>
+__device__ __forceinline__ void combine_cols(const bf16* __restrict__ ws_o, const float2* __restrict__ ws_ml,
+                                             bf16* __restrict__ out, float* __restrict__ m_sm,
+                                             float* __restrict__ l_sm, long long rows_total, long long row, int col,
+                                             int DV, int used) {
+  constexpr int LPS = VW / 8, GROUPS = 32 / LPS, NL = 8;  // lanes per split, splits per load, loads in flight
+  const int lane = threadIdx.x & 31, sub = lane % LPS, g = lane / LPS;
+  float mx = -INFINITY;
+  for (int s = lane; s < used; s += 32) {
+    const float2 ml = __ldcg(ws_ml + s * rows_total + row);
+    m_sm[s] = ml.x;
+    l_sm[s] = ml.y;
+    mx = fmaxf(mx, ml.x);
+  }
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  if (mx == -INFINITY) mx = 0.f;
+  __syncwarp();
+  const bf16* src = ws_o + row * DV + col + sub * 8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+  for (int s0 = g; s0 < used; s0 += NL * GROUPS) {
+    uint4 v[NL];
+    float w[NL];
+#pragma unroll
+    for (int k = 0; k < NL; ++k) {
+      const int s = s0 + k * GROUPS;
+      const bool live = s < used;
+      v[k] = live ? __ldcg(reinterpret_cast<const uint4*>(src + s * rows_total * DV)) : make_uint4(0, 0, 0, 0);
+      w[k] = live ? l_sm[s] * exp2f(m_sm[s] - mx) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < NL; ++k) {
+      const u32 h[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
+        acc[2 * c] = fmaf(w[k], x.x, acc[2 * c]);
+        acc[2 * c + 1] = fmaf(w[k], x.y, acc[2 * c + 1]);
+      }
+      wsum += w[k];
+    }
+  }
+#pragma unroll
+  for (int x = LPS; x < 32; x <<= 1) {  // add the lanes that hold the same columns for other splits
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], x);
+    wsum += __shfl_xor_sync(0xffffffffu, wsum, x);
+  }
+  if (g == 0) {
+    const float inv = 1.f / wsum;
+    *reinterpret_cast<uint4*>(out + row * DV + col + sub * 8) =
+        make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
+                   pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
+  }
+}
+
+// Dynamic shared memory: 4 warps x 2 x n_splits floats.
 extern "C" __global__ void __launch_bounds__(128) tva_combine(const bf16* __restrict__ ws_o,
                                                               const float2* __restrict__ ws_ml, bf16* __restrict__ out,
                                                               const int* __restrict__ cu_q,
                                                               const int* __restrict__ prefix_lens, int B, int T,
-                                                              int Hq, int DV, int n_splits) {
-  const int lane = threadIdx.x & 31, chunks = (DV + 127) / 128;
-  const long long rows_total = (long long)T * Hq, item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+                                                              int Hq, int DV, int n_splits, int vw) {
+  extern __shared__ float ml_sm[];
+  const int warp = threadIdx.x >> 5, chunks = DV / vw;
+  const long long rows_total = (long long)T * Hq, item = (long long)blockIdx.x * 4 + warp;
   const long long row = item / chunks;
   if (row >= rows_total) return;
   const int b = seq_of(cu_q, B, (int)(row / Hq));
   if (b < 0) return;
   const int nb = (prefix_lens[b] + cu_q[b + 1] - cu_q[b] + BN - 1) / BN;
-  const int per = max(1, (nb + n_splits - 1) / n_splits), used = (nb + per - 1) / per;  // as tiles_per_split
+  const int per = tiles_per_split(nb, n_splits), used = (nb + per - 1) / per;
   if (used == 1) return;
-  float mx = -INFINITY;
-  for (int s = lane; s < used; s += 32) mx = fmaxf(mx, ws_ml[s * rows_total + row].x);
-#pragma unroll
-  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-  if (mx == -INFINITY) mx = 0.f;
-  const int d = (int)(item % chunks) * 128 + 4 * lane;
-  if (d >= DV) return;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < used; ++s) {  // independent loads: unrolled so that several are in flight
-    const float2 ml = ws_ml[s * rows_total + row];
-    const float w = ml.y * exp2f(ml.x - mx);
-    const uint2 v = *reinterpret_cast<const uint2*>(ws_o + (s * rows_total + row) * DV + d);
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
-    acc[0] += w * lo.x; acc[1] += w * lo.y; acc[2] += w * hi.x; acc[3] += w * hi.y;
-    wsum += w;
+  float* m_sm = ml_sm + warp * 2 * n_splits;
+  const int col = (int)(item % chunks) * vw;
+  switch (vw) {
+    case 32: combine_cols<32>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
+    case 64: combine_cols<64>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
+    case 128: combine_cols<128>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
+    default: combine_cols<256>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
   }
-  const float inv = 1.f / wsum;
-  *reinterpret_cast<uint2*>(out + row * DV + d) = make_uint2(pack_bf16(acc[0] * inv, acc[1] * inv),
-                                                             pack_bf16(acc[2] * inv, acc[3] * inv));
 }
 
 // ---------------------------------------------------------------------------------------------------
