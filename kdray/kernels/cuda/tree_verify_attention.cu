@@ -381,21 +381,21 @@ __device__ __forceinline__ void tva_mma_body(
           pack_bf16(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
   }
   const long long rows_total = (long long)T * Hq;
+  auto out_row = [&](int r) {  // output row of tile row r (< rows)
+    const int gr = tile * BM + r;
+    return (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
+  };
   bf16* const dst = used == 1 ? out : ws_o + split * rows_total * DV;
   if (used > 1 && wg == 0 && t4 == 0) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int gr = tile * BM + r0 + 8 * e;
-      if (r0 + 8 * e < rows)
-        ws_ml[split * rows_total + (long long)(q0 + gr / G) * Hq + kvh * G + gr % G] = make_float2(m[e], l[e]);
-    }
+    for (int e = 0; e < 2; ++e)
+      if (r0 + 8 * e < rows) ws_ml[split * rows_total + out_row(r0 + 8 * e)] = make_float2(m[e], l[e]);
   }
   __syncthreads();
   constexpr int CH = DV / 8;  // 16-byte chunks per row
   for (int it = tid; it < rows * CH; it += NWG * 128) {
-    const int r = it / CH, c = it % CH, gr = tile * BM + r;
-    const long long row = (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
-    *reinterpret_cast<uint4*>(dst + row * DV + c * 8) =
+    const int r = it / CH, c = it % CH;
+    *reinterpret_cast<uint4*>(dst + out_row(r) * DV + c * 8) =
         *reinterpret_cast<const uint4*>(smem + o_swz(r, c, C::O_ROW_BYTES));
   }
 }
