@@ -1,15 +1,25 @@
-"""skinny_linear: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), in and out of
-CUDA graphs, with the K split's tickets reused across launches."""
+"""skinny_linear: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), with 16-bit and
+fp32 outputs, in and out of CUDA graphs, with the K split's tickets reused across launches."""
 import pytest
 import torch
 from gpu_checks import poison_allocator
 
-from kdray.kernels.skinny_linear import MAX_ROWS, k_splits, skinny_linear
+from kdray.kernels.skinny_linear import MAX_ROWS, fits, k_splits, skinny_linear
 
 
 def test_cpu_and_unsupported_inputs_run_f_linear():
     x, w = torch.randn(3, 256), torch.randn(40, 256)
     assert torch.equal(skinny_linear(x, w), torch.nn.functional.linear(x, w))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    out = skinny_linear(xb, wb, out_dtype=torch.float32)  # 16-bit operands, fp32 sums and output
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.linear(xb.float(), wb.float()))
+
+
+def test_out_dtype_is_x_dtype_or_fp32():
+    x, w = torch.randn(2, 256).bfloat16(), torch.randn(8, 256).bfloat16()
+    with pytest.raises(ValueError, match="out_dtype"):
+        skinny_linear(x, w, out_dtype=torch.float16)
 
 
 def test_the_k_split_divides_k_and_fills_the_gpu_without_exceeding_its_waves():
@@ -43,17 +53,32 @@ def test_cuda_matches_fp32_reference(N, K, dtype):
 
 
 @pytest.mark.gpu
-def test_replayed_from_a_cuda_graph_equals_eager():
-    w = (torch.randn(576, 7168, device="cuda") / 85).to(torch.bfloat16)  # split 28 ways: tickets in the graph
-    x = torch.randn(1, 7168, device="cuda").to(torch.bfloat16)
-    eager = skinny_linear(x, w)
+@pytest.mark.parametrize("N,K", [(384, 7168), (33, 512), (100, 768)])  # the K2 shard's router, odd row counts
+def test_cuda_fp32_output_matches_fp32_reference(N, K):
+    g = torch.Generator("cuda").manual_seed(N + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    for M in range(1, MAX_ROWS + 2):  # the kernel, then cuBLAS
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        assert fits(x, w) == (M <= MAX_ROWS)
+        poison_allocator()
+        out = skinny_linear(x, w, out_dtype=torch.float32)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,out_dtype", [(1, None), (1, torch.float32)])
+def test_replayed_from_a_cuda_graph_equals_eager(M, out_dtype):
+    w = (torch.randn(576, 7168, device="cuda") / 85).to(torch.bfloat16)  # split across blocks: tickets in the graph
+    x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
+    eager = skinny_linear(x, w, out_dtype)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        skinny_linear(x, w)  # warm-up outside the capture
+        skinny_linear(x, w, out_dtype)  # warm-up outside the capture
         with torch.cuda.graph(graph, stream=stream):
-            out = skinny_linear(x, w)
+            out = skinny_linear(x, w, out_dtype)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
         graph.replay()

@@ -3,12 +3,20 @@
 Kernels are compiled by CuPy (NVRTC) the first time an op needs them and cached per (file, arch).
 Launches go to ``torch.cuda.current_stream()``, so they order with torch work and can be captured
 in a CUDA graph; nothing here synchronises the host or allocates device memory.
+
+Inside a graph capture each kernel is launched as a programmatic dependent launch (``cuLaunchKernelEx``, sm_90+):
+the GPU may start it while the kernel ahead of it on the stream still runs, and the kernel waits for that one in
+``griddep_wait()`` (``cuda/griddep.cuh``) before it touches memory. In a replayed pass of a few tokens this hides
+the gap between one kernel's end and the next one's start. Eager launches stay plain CuPy launches: there the host,
+not the gap, sets the pace.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CUDA_DIR = Path(__file__).parent / "cuda"
@@ -93,7 +101,67 @@ def launch(name: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...]
     fn = entry[0]
     if shared_mem > entry[1]:
         fn.max_dynamic_shared_size_bytes = entry[1] = shared_mem
+    stream = torch.cuda.current_stream(index)
+    if torch.cuda.is_current_stream_capturing() and _dependent_launches(index):
+        with cupy.cuda.Device(index):
+            _launch_dependent(fn.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
+        return
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-    stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
-    with cupy.cuda.Device(index), stream:
+    with cupy.cuda.Device(index), _cupy_stream(stream.cuda_stream, index):
         fn(grid, block, ptr_args, shared_mem=shared_mem)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.cache
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.cache
+def _dependent_launches(device_index: int) -> bool:
+    """Programmatic dependent launch needs sm_90 or later."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _dim3(d: tuple[int, ...]):
+    return (ctypes.c_uint * 3)(*(tuple(d) + (1, 1, 1))[:3])
+
+
+def _kernel_param(a):
+    """One kernel argument as the C value CuPy would pass: a tensor's device pointer, a NumPy scalar as its own
+    type, a Python int as 64 bits (a null pointer is 0), a float as a double."""
+    if isinstance(a, torch.Tensor):
+        return ctypes.c_void_p(a.data_ptr())
+    if isinstance(a, np.generic):
+        return np.ctypeslib.as_ctypes_type(a.dtype)(a.item())
+    if isinstance(a, int):
+        return ctypes.c_int64(a)
+    if isinstance(a, float):
+        return ctypes.c_double(a)
+    raise TypeError(f"kernel argument of type {type(a).__name__}: pass a tensor or a NumPy scalar")
+
+
+def _launch_dependent(function: int, grid, block, args, shared_mem: int, stream: int):
+    """``cuLaunchKernelEx`` with programmatic stream serialization allowed."""
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _LaunchConfig(grid=_dim3(grid), block=_dim3(block), shared_mem=shared_mem, stream=stream,
+                           attrs=ctypes.pointer(attr), num_attrs=1)
+    values = [_kernel_param(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    err = _driver().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function), params, None)
+    if err:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx failed: {name.value.decode() if name.value else err}")

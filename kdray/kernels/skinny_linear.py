@@ -6,10 +6,11 @@ with K split across blocks so that even 576 output rows fill the GPU, and the la
 the partial sums (one launch, no host sync, capturable in a CUDA graph). fp32 accumulation, one rounding, as
 cuBLAS's bf16 GEMM does.
 
-The kernel compiles for up to 8 rows of ``x`` (``M_ROWS``), but on the H200 it beats cuBLAS at one row only
-(``benchmarks/bench_linear.py``; at 8 rows cuBLAS is 1.4-2x faster), so ``MAX_ROWS`` is 1. CUDA bf16 / fp16 inputs
-with at most ``MAX_ROWS`` rows, ``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and
-the reference) is ``F.linear``.
+The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums). The kernel compiles for up
+to 8 rows of ``x`` (``M_ROWS``), but on the H200 it beats cuBLAS at one row only (``benchmarks/bench_linear.py``: at
+8 rows cuBLAS is 1.4-2x faster, and with an fp32 output 1.25x), so ``MAX_ROWS`` is 1. CUDA bf16 / fp16 inputs with
+at most ``MAX_ROWS`` rows, ``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and the
+reference) is ``F.linear``, or cuBLAS's fp32-output GEMM.
 """
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ from kdray.kernels.cuda_module import launch, sm_count
 
 MAX_ROWS = 1  # rows of x that take the kernel (H200: cuBLAS wins at 8)
 ROWS_PER_BLOCK = 32  # WARPS * RPW in the .cu
+THREADS = 256  # 32 * WARPS in the .cu
 K_STEP = 256  # elements of K one warp covers per step
 WAVES = 4  # blocks per SM the K split aims for
 DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 
 
-def skinny_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
+def skinny_linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, w)
+    if x.is_cuda:  # 16-bit operands, fp32 sums and output
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=out_dtype).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x.to(out_dtype), w.to(out_dtype))
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -41,23 +47,26 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in x's dtype."""
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in ``out_dtype``: x's dtype (None) or float32."""
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"skinny_linear's out_dtype is x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     if not fits(x, w):
-        return skinny_linear_reference(x, w)
+        return skinny_linear_reference(x, w, out_dtype)
     N, K = w.shape
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     M, dev = x2.shape[0], x.device
-    y = torch.empty(M, N, dtype=x.dtype, device=dev)  # [M, N]
+    fp32_out = out_dtype == torch.float32
+    y = torch.empty(M, N, dtype=torch.float32 if fp32_out else x.dtype, device=dev)  # [M, N]
     groups = math.ceil(N / ROWS_PER_BLOCK)
     splits = k_splits(groups, K // K_STEP, sm_count(dev.index))
     work = torch.empty(splits, M, N, dtype=torch.float32, device=dev) if splits > 1 else y  # [S, M, N] partials
     tickets = _tickets(w) if splits > 1 else y
-    launch("skinny_linear", "skinny_linear", (groups, splits), (ROWS_PER_BLOCK * 8,),
+    launch("skinny_linear", "skinny_linear", (groups, splits), (THREADS,),
            (x2, w, y, work, tickets, np.int32(N), np.int32(K)), device=dev,
-           defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", M)))
+           defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", M)) + ((("OUT_F32", 1),) if fp32_out else ()))
     return y.view(*x.shape[:-1], N)
 
 

@@ -184,19 +184,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``, one all-reduce over the group."""
         cfg = self.cfg
+        logits = skinny_linear(x, self.gate, out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
         shared, side = None, None
         if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
-            if x.is_cuda and cfg.quantization is not None:  # beside the router and the routing, which need only x too
-                side = _side_stream(x.device)
+            if x.is_cuda and cfg.quantization is not None:  # beside the routing and the routed experts
+                side = _side_stream(x.device)  # (forked after the router: the router goes first on the GPU)
                 side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):  # (no-op for None)
                 shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
             if side is not None:  # made on the side stream, read on this one (the MoE's finalize waits for it)
                 shared.record_stream(torch.cuda.current_stream(x.device))
-        if x.is_cuda and x.dtype != torch.float32:
-            logits = torch.mm(x, self.gate.t(), out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
-        else:
-            logits = F.linear(x.float(), self.gate.float())
         routing = (logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    cfg.norm_topk_prob, cfg.routed_scaling_factor, (self.e0, self.experts) if self.ep else None)
         if self.cfg.quantization is None:

@@ -6,6 +6,7 @@
 // A slot outside [0, n_rows) writes no cache row.
 // Launch: grid (T), block (128); D even. A lane reads and writes the same two elements of a row, so in place is safe.
 #include "dtype.cuh"
+#include "griddep.cuh"
 
 __device__ __forceinline__ void rope_row(elem_t* x, const elem_t* cos, const elem_t* sin, int half, int lane) {
   for (int p = lane; p < half; p += 32) {
@@ -24,6 +25,7 @@ extern "C" __global__ void gqa_rope_cache(elem_t* q, long long q_tok, long long 
                                           elem_t* __restrict__ cache, long long n_rows,          // [n_rows, 2, Hkv, D]
                                           const long long* __restrict__ slots,                   // [T]
                                           int H, int Hkv, int D) {
+  griddep_begin();
   const long long t = blockIdx.x;
   const int half = D / 2, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const elem_t* ct = cos + t * half;

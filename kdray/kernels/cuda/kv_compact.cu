@@ -3,6 +3,8 @@
 // Each block stages all moved rows of its (sequence, layer) in shared memory before writing any,
 // so a destination may be another entry's source. VEC (bytes) is the copy unit: 16, 8, 4, 2 or 1.
 
+#include "griddep.cuh"
+
 #ifndef VEC
 #define VEC 16
 #endif
@@ -25,6 +27,7 @@ extern "C" __global__ void kv_compact(vec_t* __restrict__ cache,              //
                                       const int* __restrict__ accepted,       // [B, A]
                                       const int* __restrict__ accept_len,     // [B]
                                       long long layer_vecs, int S, int row_vecs, int max_pages, int A) {
+  griddep_begin();
   extern __shared__ uint4 smem[];
   long long* src_off = reinterpret_cast<long long*>(smem);  // [A] row offsets (vecs) in the layer
   long long* dst_off = src_off + A;                          // [A]

@@ -6,6 +6,7 @@
 // A slot outside [0, n_rows) writes no cache row.
 // Launch: grid (T), block (128); R even, R / 2 <= 32 (a warp ropes one row: all its reads precede its writes).
 #include "dtype.cuh"
+#include "griddep.cuh"
 
 extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long long kv_stride,  // [T, L + R]
                                           const elem_t* __restrict__ weight,                    // [L]
@@ -15,6 +16,7 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
                                           elem_t* __restrict__ cache, long long n_rows,           // [n_rows, L + R]
                                           const long long* __restrict__ slots,                    // [T]
                                           int H, int L, int R, float eps) {
+  griddep_begin();
   const long long t = blockIdx.x;
   const long long slot = slots[t];
   elem_t* row = slot >= 0 && slot < n_rows ? cache + slot * (L + R) : nullptr;

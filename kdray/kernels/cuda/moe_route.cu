@@ -1,5 +1,6 @@
 // Sigmoid top-k routing (moe_route.cuh), alone or folded into the MoE's prep; see kernels/moe_route.py and
 // kernels/w4a16_moe.py. EPL = ceil(E / 32), a compile-time define.
+#include "griddep.cuh"
 #include "moe_prep.cuh"
 #include "moe_route.cuh"
 
@@ -15,6 +16,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_route(const float* __restr
                                                             float* __restrict__ weights,       // [T, k]
                                                             int T, int E, int k, int n_group, int topk_group,
                                                             int renormalize, float scale, int e0, int n_local) {
+  griddep_begin();
   __shared__ float grouped[WARPS][EPL * 32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long t = (long long)blockIdx.x * WARPS + warp;
@@ -40,6 +42,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1) moe_route_prep(
     float* __restrict__ weights, int T, int E, int k, int n_group, int topk_group, int renormalize, float scale,
     int e0, int n_local, const uint4* __restrict__ x, uint4* __restrict__ x_perm, float4* __restrict__ acc,
     int* __restrict__ sorted_slot, int4* __restrict__ passes, int H, int mt) {
+  griddep_wait();  // the expert GEMMs are launched as this ends, not now: their blocks would take the SMs that the
+                   // shared experts, on their own stream, use meanwhile
   if (blockIdx.x > 0) {
     moe_permute_x(x, x_perm, acc, T, H);
     return;

@@ -5,6 +5,7 @@
 // Launch: grid (rows), block (threads): threads a multiple of 32, threads * NV * VEC >= dim, dim % VEC == 0,
 // every row start VEC-element aligned. VEC elements per access (16 bytes for bf16 rows of 8).
 #include "dtype.cuh"
+#include "griddep.cuh"
 
 #ifndef VEC
 #define VEC 8
@@ -21,6 +22,7 @@ extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_str
                                    const elem_t* __restrict__ weight,                        // [dim]
                                    elem_t* __restrict__ out,                                 // [rows, dim] contiguous
                                    int dim, float eps) {
+  griddep_begin();
   const long long row = blockIdx.x;
   const int nvec = dim / VEC;
   const vec_t* xr = reinterpret_cast<const vec_t*>(x + row * x_stride);

@@ -1,6 +1,7 @@
 // SwiGLU gate: out[t, i] = to_t(to_t(silu(gate)) * up), gate = x[t, i], up = x[t, I + i]; see kernels/silu_mul.py.
 // Launch: any 1-D grid of 256-thread blocks (grid-stride over rows * I / VEC vectors); I % VEC == 0, rows VEC-aligned.
 #include "dtype.cuh"
+#include "griddep.cuh"
 
 #ifndef VEC
 #define VEC 8
@@ -13,6 +14,7 @@ struct __align__(VEC * sizeof(elem_t)) vec_t {
 extern "C" __global__ void silu_mul(const elem_t* __restrict__ x, long long x_stride,  // [rows, 2I]
                                     elem_t* __restrict__ out,                         // [rows, I] contiguous
                                     long long rows, int I) {
+  griddep_begin();
   const int per_row = I / VEC;
   const long long n = rows * per_row;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {

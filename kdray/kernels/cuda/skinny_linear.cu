@@ -6,8 +6,9 @@
 // 256-element step per warp), and keeps fp32 sums for its RPW x M_ROWS outputs. With S == 1 the warps write y.
 // With S > 1 each block writes its partial sums to work[S, M_ROWS, N], takes a ticket of its row group, and the
 // block that takes the last one adds the S partials (read through L2) and writes y, then zeroes the ticket for the
-// next launch. y is rounded once from fp32, as an fp32-accumulating GEMM rounds.
+// next launch. y is rounded once from fp32, as an fp32-accumulating GEMM rounds, or left in fp32 with OUT_F32.
 #include "dtype.cuh"
+#include "griddep.cuh"
 
 #ifndef M_ROWS
 #define M_ROWS 1
@@ -15,6 +16,14 @@
 #define WARPS 8
 #define RPW 4  // weight rows per warp: each x load serves RPW rows
 #define ROWS_PER_BLOCK (WARPS * RPW)
+
+#ifdef OUT_F32
+typedef float out_t;
+__device__ __forceinline__ out_t to_out(float v) { return v; }
+#else
+typedef elem_t out_t;
+__device__ __forceinline__ out_t to_out(float v) { return to_t(v); }
+#endif
 
 struct __align__(16) vec8 {
   elem_t v[8];
@@ -32,10 +41,11 @@ __device__ __forceinline__ vec8 load_stream(const elem_t* p) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
     skinny_linear(const elem_t* __restrict__ x,       // [M_ROWS, K], rows contiguous
                   const elem_t* __restrict__ w,       // [N, K], rows contiguous
-                  elem_t* __restrict__ y,             // [M_ROWS, N]
+                  out_t* __restrict__ y,              // [M_ROWS, N]
                   float* __restrict__ work,           // [S, M_ROWS, N] (S > 1)
                   unsigned int* __restrict__ tickets,  // [gridDim.x], zero between launches (S > 1)
                   int N, int K) {
+  griddep_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int S = gridDim.y, KS = K / S, k0 = blockIdx.y * KS;
   const int row0 = blockIdx.x * ROWS_PER_BLOCK + warp * RPW;
@@ -80,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int m = 0; m < M_ROWS; ++m) {
         if (S == 1)
-          y[(long long)m * N + n] = to_t(acc[r][m]);
+          y[(long long)m * N + n] = to_out(acc[r][m]);
         else
           work[((long long)blockIdx.y * M_ROWS + m) * N + n] = acc[r][m];
       }
@@ -100,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     if (n >= N) continue;
     float t = 0.f;
     for (int s = 0; s < S; ++s) t += __ldcg(work + ((long long)s * M_ROWS + m) * N + n);
-    y[(long long)m * N + n] = to_t(t);
+    y[(long long)m * N + n] = to_out(t);
   }
   if (threadIdx.x == 0) tickets[blockIdx.x] = 0u;
 }

@@ -2,6 +2,8 @@
 // Launch: grid (B,), block (BLOCK,). One block per sequence; each step the block scans the
 // sequence's nodes for the child of `cur` that carries the chosen token (at most one matches).
 
+#include "griddep.cuh"
+
 extern "C" __global__ void tree_accept(const long long* __restrict__ tokens,  // [B, n1]
                                        const int* __restrict__ parents,       // [B, n1]
                                        const int* __restrict__ num_nodes,     // [B]
@@ -10,6 +12,7 @@ extern "C" __global__ void tree_accept(const long long* __restrict__ tokens,  //
                                        int* __restrict__ accept_len,          // [B]
                                        long long* __restrict__ next_token,    // [B]
                                        int n1, int max_depth) {
+  griddep_begin();
   __shared__ int found[2];  // double-buffered: step s writes found[s & 1]
   const int b = blockIdx.x;
   const long long* tok = tokens + (long long)b * n1;

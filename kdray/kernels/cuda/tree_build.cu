@@ -14,6 +14,8 @@
 //             child) in shared memory, NSLOT slots per lane and each lane's best in a register;
 //             then the block writes the tree tensors.
 
+#include "griddep.cuh"
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -301,6 +303,7 @@ tree_topk(const void* __restrict__ logits,  // [B, L, V] (DTYPE)
           float* __restrict__ out_logp,     // [B, L, kmax]
           int* __restrict__ out_ids,        // [B, L, kmax]
           int L, int V, int kmax, int max_nodes, int max_topk, int id_digits) {
+  griddep_begin();
   extern __shared__ u64 buf[];  // [CAP] keys: ordered logit << 32 | ~id
   __shared__ TopkShared sh;
   const int row = blockIdx.x, b = row / L, tid = threadIdx.x, lane = tid & 31;
@@ -432,6 +435,7 @@ tree_select(const float* __restrict__ logp_topk,      // [B, L, kmax]
             int* __restrict__ num_nodes,              // [B]
             u32* __restrict__ mask,                   // [B, N+1, W]
             int L, int V, int kmax, int max_nodes, int max_topk, int W) {
+  griddep_begin();
   extern __shared__ double skey[];  // [NSLOT*32] heap slot j: node j's next child candidate (its key)
   __shared__ int s_num;
   const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, N1 = max_nodes + 1;

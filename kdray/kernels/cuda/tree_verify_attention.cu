@@ -15,6 +15,7 @@
 // tva_simt_*  any head dims, fp32 or bf16: one CTA per row on the CUDA cores (correctness fallback).
 #include <cuda_bf16.h>
 
+#include "griddep.cuh"
 #include "wgmma.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TVA_MMA_SYNC)
@@ -410,13 +411,16 @@ __device__ __forceinline__ void tva_mma_body(
 
 // MLA latent (576-dim keys, values = their first 512 columns, one KV head).
 extern "C" __global__ void __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
+  griddep_begin();
   tva_mma_body<576, 512, true, 2>(TVA_MMA_PASS);
 }
 // GQA, head dim 64 / 128 (keys and values are separate cache columns).
 extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa64(TVA_MMA_ARGS) {
+  griddep_begin();
   tva_mma_body<64, 64, false, 1>(TVA_MMA_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa128(TVA_MMA_ARGS) {
+  griddep_begin();
   tva_mma_body<128, 128, false, 1>(TVA_MMA_PASS);
 }
 
@@ -489,6 +493,7 @@ extern "C" __global__ void __launch_bounds__(128) tva_combine(const bf16* __rest
                                                               const int* __restrict__ cu_q,
                                                               const int* __restrict__ prefix_lens, int B, int T,
                                                               int Hq, int DV, int n_splits, int vw) {
+  griddep_begin();
   extern __shared__ float ml_sm[];
   const int warp = threadIdx.x >> 5, chunks = DV / vw;
   const long long rows_total = (long long)T * Hq, item = (long long)blockIdx.x * 4 + warp;
@@ -583,8 +588,10 @@ __device__ __forceinline__ void tva_simt_body(const T_* __restrict__ q, const T_
       row_stride, v_off, scale_log2
 
 extern "C" __global__ void __launch_bounds__(128) tva_simt_f32(TVA_SIMT_ARGS(float)) {
+  griddep_begin();
   tva_simt_body<float>(TVA_SIMT_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) tva_simt_bf16(TVA_SIMT_ARGS(bf16)) {
+  griddep_begin();
   tva_simt_body<bf16>(TVA_SIMT_PASS);
 }

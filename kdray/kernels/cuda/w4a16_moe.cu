@@ -16,6 +16,7 @@
 // Gate and up rows of the same outputs sit in the same warp, so SiLU(gate) * up is formed in registers.
 #include <cuda_bf16.h>
 
+#include "griddep.cuh"
 #include "moe_prep.cuh"
 #include "wgmma.cuh"
 
@@ -87,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prep(
     const long long* __restrict__ topk_ids, const uint4* __restrict__ x, uint4* __restrict__ x_perm,
     float4* __restrict__ acc, int* __restrict__ sorted_slot, int4* __restrict__ passes, int T, int k, int E,
     int H, int mt) {
+  griddep_wait();  // no early launch of the expert GEMMs (see moe_route_prep)
   extern __shared__ int sm[];
   if (blockIdx.x > 0)
     moe_permute_x(x, x_perm, acc, T, H);
@@ -310,6 +312,7 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_up_##NAME(                                       \
       const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot, \
       const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb, int tiled) {             \
+    griddep_begin();                                                                                            \
     moe_gemm<0, MT, NT, STAGES>(x_perm, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, nullptr, k, H, \
                                 I, n_tiles, tpb, tiled);                                                       \
   }                                                                                                            \
@@ -317,6 +320,7 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,      \
       const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb,     \
       int tiled) {                                                                                             \
+    griddep_begin();                                                                                           \
     moe_gemm<1, MT, NT, STAGES>(h, w2_packed, w2_scale, sorted_slot, passes, nullptr, topk_weights, acc, k, H, \
                                 I, n_tiles, tpb, tiled);                                                       \
   }
@@ -332,6 +336,7 @@ MOE_GEMMS(m64n2, 64, 2, 2, 1)  // prefill: each dequantized weight feeds twice t
 // thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.
 extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, const uint2* __restrict__ add,
                                         uint2* __restrict__ out, int n4) {
+  griddep_begin();
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += gridDim.x * blockDim.x) {
     const float4 v = acc[i];
     __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
@@ -553,6 +558,7 @@ __device__ __forceinline__ void moe_up_skinny_ring(
       const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,                                     \
       const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot,                           \
       const int4* __restrict__ passes, __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {            \
+    griddep_begin();                                                                                               \
     moe_up_skinny_ring<DEPTH>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);                 \
   }
 MOE_UP_SKINNY(2)
@@ -568,6 +574,7 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
     const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
     const int* __restrict__ sorted_slot, const int4* __restrict__ passes, const float* __restrict__ topk_weights,
     float* __restrict__ acc_out, int k, int H, int I, int tiled) {
+  griddep_begin();
   __shared__ float tile[SK_DOWN_WARPS][16 * 8];
   const int tiles = (H + 32 * SK_DOWN_WARPS - 1) / (32 * SK_DOWN_WARPS), n_pass = passes[0].x, items = n_pass * tiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
@@ -902,6 +909,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) moe_up_##NAME(                                  \
       const __nv_bfloat16* x, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot,   \
       const int4* passes, __nv_bfloat16* h, int k, int H, int I, int n_tiles, int tpb) {                      \
+    griddep_begin();                                                                                          \
     moe_wgmma_gemm<0, WGM, false>(x, w13_packed, w13_scale, sorted_slot, passes, h, nullptr, k, H, I, n_tiles, \
                                   tpb);                                                                        \
   }                                                                                                            \
@@ -909,6 +917,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,     \
       const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,      \
       int tpb) {                                                                                               \
+    griddep_begin();                                                                                           \
     moe_wgmma_gemm<1, WGM, false>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I,      \
                                   n_tiles, tpb);                                                               \
   }                                                                                                            \
@@ -917,6 +926,7 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,     \
       const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,      \
       int tpb) {                                                                                               \
+    griddep_begin();                                                                                           \
     moe_wgmma_gemm<1, WGM, true>(h, w2_packed, w2_scale, sorted_slot, passes, y, topk_weights, k, H, I,       \
                                  n_tiles, tpb);                                                                \
   }
@@ -1122,6 +1132,7 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
 extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
     const __nv_bfloat16* x_perm, const int* w13_packed, const __nv_bfloat16* w13_scale, const int* sorted_slot,
     const int4* passes, __nv_bfloat16* h, int k, int H, int I, int h_logical) {
+  griddep_begin();
   if (blockIdx.y >= passes[0].x) return;
   const int4 p = passes[1 + blockIdx.y];
   with_pass_n(p.z, [&](auto n) {
@@ -1268,6 +1279,7 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
 extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_down_rs(
     const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,
     const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles, int tpb) {
+  griddep_begin();
   if (blockIdx.y >= passes[0].x) return;
   const int4 p = passes[1 + blockIdx.y];
   with_pass_n(p.z, [&](auto n) {
@@ -1281,6 +1293,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_down_rs(
 extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const long long* __restrict__ ids,
                                               const uint4* __restrict__ add, uint4* __restrict__ out, int T, int H,
                                               int k, int E) {
+  griddep_begin();
   const int h8 = H / 8;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < T * h8; i += gridDim.x * blockDim.x) {
     const int t = i / h8, c = i - t * h8;

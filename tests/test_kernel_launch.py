@@ -1,0 +1,105 @@
+"""Kernel launches: every CUDA kernel waits for the kernels ahead before touching memory (a static check of the
+sources, CPU), the driver-call arguments of a programmatic dependent launch (CPU), and a graph of dependent
+launches equal to the same kernels run eagerly (GPU)."""
+import ctypes
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from kdray.kernels import cuda_module
+from kdray.kernels.cuda_module import CUDA_DIR
+
+
+def _kernel_bodies():
+    """(file, kernel, body) of every ``__global__`` function in ``kernels/cuda`` (macro-made ones included)."""
+    for path in sorted(CUDA_DIR.glob("*.cu")):
+        src = path.read_text()
+        for m in re.finditer(r"__global__", src):
+            i, depth = m.end(), 0
+            while True:  # past the parameter list (and __launch_bounds__'s parentheses) to the body's brace
+                c = src[i]
+                depth += c == "("
+                depth -= c == ")"
+                if c == "{" and depth == 0:
+                    break
+                i += 1
+            name = [n for n in re.findall(r"(\w+(?:##\w+)*)\s*\(", src[m.end():i]) if n != "__launch_bounds__"][0]
+            start, depth = i, 0
+            while True:
+                depth += src[i] == "{"
+                depth -= src[i] == "}"
+                i += 1
+                if depth == 0:
+                    break
+            yield path.name, name, src[start:i]
+
+
+def test_every_kernel_waits_for_the_kernels_ahead():
+    kernels = list(_kernel_bodies())
+    assert len(kernels) >= 25  # the parser found the kernels (a macro-made family counts once)
+    missing = [f"{f}: {k}" for f, k, body in kernels if not re.search(r"\bgriddep_(wait|begin)\(\)", body)]
+    assert not missing, f"kernels launched dependently in graphs but never calling griddep_wait(): {missing}"
+
+
+def test_launch_structs_have_the_driver_layout():
+    assert ctypes.sizeof(cuda_module._LaunchAttribute) == 72  # id, pad to 8, a 64-byte union
+    assert ctypes.sizeof(cuda_module._LaunchConfig) == 56
+    assert cuda_module._LaunchConfig.stream.offset == 32  # after 7 unsigned ints, aligned to 8
+    assert cuda_module._LaunchConfig.num_attrs.offset == 48
+
+
+def test_kernel_params_are_the_values_cupy_passes():
+    t = torch.zeros(4)
+    assert cuda_module._kernel_param(t).value == t.data_ptr()
+    p = cuda_module._kernel_param(np.int32(-7))
+    assert isinstance(p, ctypes.c_int32) and p.value == -7
+    p = cuda_module._kernel_param(np.float32(0.5))
+    assert isinstance(p, ctypes.c_float) and p.value == 0.5
+    p = cuda_module._kernel_param(np.int64(1 << 40))
+    assert ctypes.sizeof(p) == 8 and p.value == 1 << 40
+    p = cuda_module._kernel_param(0)  # a null pointer
+    assert isinstance(p, ctypes.c_int64) and p.value == 0
+    with pytest.raises(TypeError, match="NumPy scalar"):
+        cuda_module._kernel_param("3")
+    assert list(cuda_module._dim3((5,))) == [5, 1, 1] and list(cuda_module._dim3((2, 3))) == [2, 3, 1]
+
+
+@pytest.mark.gpu
+def test_a_graph_of_dependent_launches_equals_eager(monkeypatch):
+    """A chain in which each kernel reads what the one before wrote (norm -> projection -> SiLU x up -> projection,
+    ten layers); captured, its kernels launch dependently and start before the ones ahead end."""
+    from kdray.kernels.rmsnorm import add_rmsnorm
+    from kdray.kernels.silu_mul import silu_mul
+    from kdray.kernels.skinny_linear import skinny_linear
+
+    g = torch.Generator("cuda").manual_seed(0)
+    H, I = 7168, 256
+    layers = [((torch.randn(2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
+               (torch.randn(H, I, device="cuda", generator=g) / I ** 0.5).bfloat16(),
+               (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16()) for _ in range(10)]
+    x = torch.randn(1, H, device="cuda", generator=g).bfloat16()
+
+    def forward():
+        h, residual = x, torch.zeros_like(x)
+        for w13, w2, norm in layers:
+            normed, residual = add_rmsnorm(h, residual, norm, 1e-6)
+            h = skinny_linear(silu_mul(skinny_linear(normed, w13)), w2)
+        return h + residual
+
+    eager = forward()
+    dependent = []
+    launch = cuda_module._launch_dependent
+    monkeypatch.setattr(cuda_module, "_launch_dependent", lambda *a: dependent.append(a) or launch(*a))
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert len(dependent) == 40  # every kernel of the capture: 4 per layer
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
