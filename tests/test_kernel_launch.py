@@ -1,6 +1,6 @@
 """Kernel launches: every CUDA kernel waits for the kernels ahead before touching memory (a static check of the
-sources, CPU), the driver-call arguments of a programmatic dependent launch (CPU), and a graph of dependent
-launches equal to the same kernels run eagerly (GPU)."""
+sources, CPU), the driver-call arguments of a programmatic dependent launch (CPU), a graph of dependent launches
+equal to the same kernels run eagerly (GPU), and dynamic shared memory beside a kernel's static shared memory (GPU)."""
 import ctypes
 import re
 
@@ -103,3 +103,21 @@ def test_a_graph_of_dependent_launches_equals_eager(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_48_kib_of_dynamic_shared_memory_beside_static_shared_memory():
+    """A kernel with static shared memory (skinny_linear's one-row kernel has a flag) launched with 48 KiB of
+    dynamic shared memory is past the default limit, though the dynamic part alone is not: the launch raises the
+    function's limit (before, it failed with an invalid argument). The kernel leaves dynamic memory unused."""
+    from kdray.kernels.skinny_linear import ROWS_PER_BLOCK, THREADS
+
+    N, K = 100, 512
+    g = torch.Generator("cuda").manual_seed(0)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    y = torch.full((1, N), float("nan"), device="cuda").bfloat16()
+    cuda_module.launch("skinny_linear", "skinny_linear", (-(-N // ROWS_PER_BLOCK), 1), (THREADS,),
+                       (x, w, y, y, y, np.int32(N), np.int32(K)), shared_mem=48 * 1024,
+                       defines=(("DTYPE", 1), ("M_ROWS", 1)))
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2 ** -7, atol=2e-3)

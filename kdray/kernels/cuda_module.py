@@ -47,8 +47,9 @@ def load_module(name: str, device_index: int = 0, defines: tuple[tuple[str, int]
 
 @functools.cache
 def _kernel(name: str, kernel: str, device_index: int, defines: tuple[tuple[str, int], ...]):
-    """The compiled kernel, with the dynamic shared memory it was last allowed (set on the function once)."""
-    return [load_module(name, device_index, defines).get_function(kernel), 48 * 1024]
+    """The compiled kernel, with the dynamic shared memory it was last allowed (set on the function at its first launch
+    that asks for any: a kernel's static shared memory counts against the 48 KiB a launch gets without it)."""
+    return [load_module(name, device_index, defines).get_function(kernel), 0]
 
 
 @functools.cache
