@@ -10,6 +10,7 @@ import torch
 
 from kdray.kernels import cuda_module
 from kdray.kernels.cuda_module import CUDA_DIR
+from kdray.kernels.skinny_linear import ROWS_PER_BLOCK, THREADS
 
 
 def _kernel_bodies():
@@ -110,8 +111,6 @@ def test_48_kib_of_dynamic_shared_memory_beside_static_shared_memory():
     """A kernel with static shared memory (skinny_linear's one-row kernel has a flag) launched with 48 KiB of
     dynamic shared memory is past the default limit, though the dynamic part alone is not: the launch raises the
     function's limit (before, it failed with an invalid argument). The kernel leaves dynamic memory unused."""
-    from kdray.kernels.skinny_linear import ROWS_PER_BLOCK, THREADS
-
     N, K = 100, 512
     g = torch.Generator("cuda").manual_seed(0)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
