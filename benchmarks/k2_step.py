@@ -98,17 +98,18 @@ def matmul_params(model: K2Model) -> int:
                and "embed_tokens" not in n)
 
 
-def verify_batch(cfg: K2Config, B: int, N: int, prefix: int):
+def verify_batch(cfg: K2Config, B: int, N: int, prefix: int, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16):
     """B sequences of 1 + N tokens after ``prefix`` cached positions: the batch and a random latent cache."""
-    g = torch.Generator("cuda").manual_seed(B * 1000 + N)
+    g = torch.Generator(device).manual_seed(B * 1000 + N)
     q = N + 1
     pages = -(-(prefix + q) // PAGE)
-    kv = torch.empty(cfg.num_hidden_layers, B * pages, PAGE, cfg.kv_cache_dim, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(cfg.num_hidden_layers, B * pages, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)
     kv.normal_(generator=g)  # [layers, P, S, 576]
-    table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
-    ids = torch.randint(0, cfg.vocab_size, (B * q,), device="cuda", generator=g)
-    positions = (prefix + torch.arange(q, device="cuda")).repeat(B)
-    return ForwardBatch.build(ids, positions, [q] * B, [prefix] * B, table, PAGE, causal_tree_mask([q] * B, "cuda")), kv
+    table = torch.arange(B * pages, dtype=torch.int32, device=device).view(B, pages)
+    ids = torch.randint(0, cfg.vocab_size, (B * q,), device=device, generator=g)
+    positions = (prefix + torch.arange(q, device=device)).repeat(B)
+    return ForwardBatch.build(ids, positions, [q] * B, [prefix] * B, table, PAGE, causal_tree_mask([q] * B, device)), kv
 
 
 def touched_experts(model: K2Model, run) -> list[int]:

@@ -11,6 +11,7 @@ import torch
 
 from kdray import LLM, SamplingParams
 from kdray.config import K2Config
+from kdray.kernels.int4 import unpack_int4
 from kdray.model.checkpoint import NoWeightsError
 from kdray.model.loader import load_target, model_config
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
@@ -84,6 +85,47 @@ def test_dummy_weights_are_random_and_laid_out_as_a_real_load(tmp_path, config, 
         values = t.float() if t.is_floating_point() else t.view(torch.uint8).float()
         assert values.isfinite().all() and values.abs().sum() > 0, name
         assert not torch.equal(t, real[name]), name
+
+
+def test_dummy_int4_experts_are_symmetric_about_zero(tmp_path):
+    """Dummy INT4 experts take every value in [-7, 7] and average zero (uniform nibbles would give q = -8 as well and
+    a mean of -1/2, a part every expert row shares)."""
+    model = load_target(config_dir(tmp_path / "cfg", K2_INT4), "float32", "cpu", load_format="dummy").model
+    q = torch.cat([unpack_int4(t, t.shape[-1] * 8).flatten() for n, t in tensors(model).items()
+                   if n.endswith("_packed")]).float()
+    assert q.min() == -7 and q.max() == 7 and len(q.unique()) == 15
+    assert abs(q.mean().item()) < 0.02
+
+
+def test_a_dummy_k2_shard_keeps_its_tokens_apart():
+    """A 12-layer K2 shard of k2_step's kind (INT4 experts, 64 of them here), 17 tokens after a random latent cache:
+    at the last MoE layer the tokens' inputs are not alike and the router reaches about as many experts as a uniform
+    router would (with uniform nibbles: cosine 0.18 and 47 experts; symmetric: 0.005 and 58, a uniform router
+    56)."""
+    from benchmarks.k2_step import shard_hf_config, touched_experts, verify_batch
+    from kdray.model.dummy import fill_random
+    from kdray.model.k2 import K2Model, MoE
+
+    hf = shard_hf_config(12)
+    hf.update(hidden_size=512, vocab_size=1024, n_routed_experts=64, q_lora_rank=128, kv_lora_rank=128,
+              intermediate_size=256)
+    cfg = K2Config.from_hf(hf)
+    model = fill_random(K2Model(cfg, torch.float32))
+    cosines = []
+
+    def mean_cosine(moe, args):
+        x = torch.nn.functional.normalize(args[0].float(), dim=-1)
+        c = x @ x.t()
+        cosines.append(((c.sum() - c.diagonal().sum()) / (len(x) * (len(x) - 1))).item())
+
+    hook = [m for m in model.modules() if isinstance(m, MoE)][-1].register_forward_pre_hook(mean_cosine)
+    batch, kv = verify_batch(cfg, 1, 16, 256, "cpu", torch.float32)
+    with torch.no_grad():
+        touched = touched_experts(model, lambda: model(batch, kv))
+    hook.remove()
+    uniform = 64 * (1 - (1 - 1 / 64) ** (17 * cfg.num_experts_per_tok))
+    assert cosines[0] < 0.1
+    assert touched[-1] >= 0.85 * uniform
 
 
 def test_a_preset_and_a_gguf_take_dummy_from_their_config(smollm2):
