@@ -7,8 +7,9 @@ from gpu_checks import poison_allocator, rel_err
 import kdray.kernels.w4a16_moe as w4a16_moe_module
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
 from kdray.kernels.moe_route import moe_route, moe_route_reference
-from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, VARIANTS, WGMMA_VARIANTS,
-                                     _choose_variant, _w4a16_moe_cuda, _wgmma_ok, random_int4_experts,
+from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, SKINNY_UP_NARROW, SKINNY_UP_WIDE,
+                                     VARIANTS, WGMMA_VARIANTS, _choose_variant, _skinny_up_form, _w4a16_moe_cuda,
+                                     _wgmma_ok, random_int4_experts,
                                      repack_int4_experts, routed_w4a16_moe, unpack_int4_experts, w4a16_moe,
                                      w4a16_moe_reference)
 
@@ -101,6 +102,13 @@ def test_add_is_added_after_rounding():
     assert torch.equal(w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add), routed + add)
     with pytest.raises(ValueError, match="add must be"):
         w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add.float())
+
+
+def test_skinny_up_form_by_items():
+    """K2 TP8 on 132 SMs: one token's items (9 passes x 16 column tiles at most) take the wide gate/up kernel, two
+    tokens' (18 x 16) the narrow one."""
+    assert _skinny_up_form(9 * 16, 132) == SKINNY_UP_WIDE
+    assert _skinny_up_form(18 * 16, 132) == SKINNY_UP_NARROW
 
 
 def test_skinny_path_serves_few_rows_per_expert():
@@ -521,16 +529,19 @@ def tiled_equals_compressed(T, H, I, E, k, used, skip, variant, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("depth", w4a16_moe_module.SKINNY_UP_DEPTHS)
-def test_cuda_skinny_every_ring_depth(depth, monkeypatch):
-    """Each depth of the gate/up kernel's ring (the GPU runs the deepest that its shared memory holds) is right, with
-    a block's stream running across many items (1000 tokens x 8 slots over 24 experts: ~1000 passes x 16 items)."""
+@pytest.mark.parametrize("form,depth", [(w4a16_moe_module.SKINNY_UP_WIDE, d) for d in w4a16_moe_module.SKINNY_UP_DEPTHS]
+                         + [(w4a16_moe_module.SKINNY_UP_NARROW, max(w4a16_moe_module.SKINNY_UP_DEPTHS))])
+def test_cuda_skinny_every_up_kernel(form, depth, monkeypatch):
+    """Each form and ring depth of the gate/up kernel (the GPU runs the deepest ring that its shared memory holds) is
+    right, with a block's stream running across many items (1000 tokens x 8 slots over 24 experts: ~1000 passes x 16
+    items)."""
     T, H, I, E, k = 1000, 1024, 256, 24, 8
     gen = torch.Generator("cuda").manual_seed(depth)
     tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     ids, weights = _routing(T, E, k, "cuda", skip=0.1, gen=gen)
-    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_depth", lambda device_index: depth)
+    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_form", lambda items, sms: form)
+    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_depth", lambda device_index, warps: depth)
     poison_allocator()
     out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
     assert rel_err(out, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2

@@ -29,7 +29,8 @@ Three families of GEMM kernels: with few rows per expert (decode and small verif
 (passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
 pass's rows as its 8 columns; K split across the warps of a block; persistent blocks over (pass, column tile) items,
 a wave at most, since the pass count is only known on the device; the gate/up GEMM's lanes cp.async their pieces
-into a ring in shared memory, ``SKINNY_UP_DEPTHS``), otherwise the tile path (``VARIANTS``: weights staged through a
+into a ring in shared memory, ``SKINNY_UP_DEPTHS``, in blocks of 16 warps for one token and of 4 for more,
+``SKINNY_UP_WIDE`` and ``SKINNY_UP_NARROW``), otherwise the tile path (``VARIANTS``: weights staged through a
 cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
 ``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``). Its down GEMM writes each
 (token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results
@@ -66,9 +67,14 @@ MAX_E = 4096  # experts the routing block's shared memory holds
 VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2), "m64n2": (64, 2, 2)}
 SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and I multiples of 128
 SKINNY_ROWS = 8
-SKINNY_UP_THREADS, SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 512, 256, 256  # SK_*_WARPS in the .cu
-SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (74 registers; the up kernel has one)
-SKINNY_UP_DEPTHS = (2, 3)  # moe_up_skinny_d<depth>: chunks in each warp's ring of weights (depth - 1 in flight)
+# moe_up_skinny_w<warps>_d<depth>: (warps, blocks resident per SM) of the wide form (for a token's few items) and the
+# narrow one (from SKINNY_UP_NARROW_ITEMS items per SM on); depth: chunks in each warp's ring of weights (depth - 1 in
+# flight), the deepest of SKINNY_UP_DEPTHS that the GPU's shared memory holds (the narrow form's 3 fits any GPU).
+SKINNY_UP_WIDE, SKINNY_UP_NARROW = (16, 1), (4, 5)
+SKINNY_UP_NARROW_ITEMS = 2
+SKINNY_UP_DEPTHS = (2, 3)
+SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
+SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (74 registers)
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
 # Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> (warpgroups along M of the down
@@ -378,10 +384,12 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
 
     _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
     if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave
-        depth = _skinny_up_depth(dev.index)
-        launch("w4a16_moe", f"moe_up_skinny_d{depth}", (min(max_passes * (I // 16), sms),), (SKINNY_UP_THREADS,),
+        up_items = max_passes * (I // 16)
+        warps, blocks = _skinny_up_form(up_items, sms)
+        depth = _skinny_up_depth(dev.index, warps)
+        launch("w4a16_moe", f"moe_up_skinny_w{warps}_d{depth}", (min(up_items, blocks * sms),), (32 * warps,),
                (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)),
-               shared_mem=_skinny_up_smem(depth), device=dev)
+               shared_mem=_skinny_up_smem(warps, depth), device=dev)
         down_items = max_passes * math.ceil(H / SKINNY_DOWN_ROWS)
         launch("w4a16_moe", "moe_down_skinny", (min(down_items, SKINNY_DOWN_BLOCKS * sms),), (SKINNY_DOWN_THREADS,),
                (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(tiled)),
@@ -402,16 +410,23 @@ def _join(add_stream: torch.cuda.Stream | None, dev: torch.device):
         torch.cuda.current_stream(dev).wait_stream(add_stream)
 
 
-def _skinny_up_smem(depth: int) -> int:
-    """moe_up_skinny_d<depth>'s shared memory: the 16 warps' partial tiles (16 KB), their rings (2560 B a chunk)."""
-    return 16 * 2 * 4 * 32 * 4 + 16 * depth * 32 * 80
+def _skinny_up_form(items: int, sms: int) -> tuple[int, int]:
+    """(warps, blocks per SM) of the gate/up kernel for at most ``items`` (pass, column tile) items."""
+    return SKINNY_UP_NARROW if items >= SKINNY_UP_NARROW_ITEMS * sms else SKINNY_UP_WIDE
+
+
+def _skinny_up_smem(warps: int, depth: int) -> int:
+    """moe_up_skinny_w<warps>_d<depth>'s shared memory: the warps' partial tiles (1 KB each), their rings (2560 B a
+    chunk)."""
+    return warps * (2 * 4 * 32 * 4 + depth * 32 * 80)
 
 
 @functools.cache
-def _skinny_up_depth(device_index: int) -> int:
-    """The deepest ring of ``SKINNY_UP_DEPTHS`` whose shared memory the GPU gives a block (asked once per GPU)."""
+def _skinny_up_depth(device_index: int, warps: int) -> int:
+    """The deepest ring of ``SKINNY_UP_DEPTHS`` whose shared memory the GPU gives a block of ``warps`` warps (asked
+    once per GPU)."""
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-    return max(d for d in SKINNY_UP_DEPTHS if _skinny_up_smem(d) <= limit)
+    return max(d for d in SKINNY_UP_DEPTHS if _skinny_up_smem(warps, d) <= limit)
 
 
 def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms):

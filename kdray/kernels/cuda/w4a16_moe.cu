@@ -412,7 +412,6 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
   return tiled ? (u32)(g >> 1) * 2 * N + (g & 1) : (u32)g;
 }
 
-#define SK_UP_WARPS 16  // warps of a gate/up block, splitting K
 #define SK_DOWN_WARPS 8  // warps of a down block, 32 output rows each
 
 // The skinny kernels are persistent: the grid is at most a wave of blocks, and a block takes the items (pass,
@@ -422,22 +421,26 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 // kernel's ~7,200 blocks).
 
 // Gate/up: h[row0 + n, c0 + i] = silu(gate) * up for the pass's rows n < rows and the item's 16 columns
-// [c0, c0 + 16) of h (gate rows c0 + i and up rows I + c0 + i of w13). The warps split K = H into 128-k chunks
-// (warp w: chunks w, w + 16, ...). A warp's chunks, over the block's items one after another, are one stream: each
+// [c0, c0 + 16) of h (gate rows c0 + i and up rows I + c0 + i of w13). The WARPS warps split K = H into 128-k
+// chunks (warp w: chunks w, w + WARPS, ...). A warp's chunks, over the block's items one after another, are one stream: each
 // lane cp.asyncs its 16-byte weight pieces and 4-byte scale pairs DEPTH - 1 chunks ahead into its own slots of a ring
 // in shared memory (so the stream runs on into the next items while the block sums the warps' partial tiles), and
 // loads its x pieces (from L2) one chunk ahead into registers.
-// Launch: grid min(max_passes * I / 16, SMs), block 32 * SK_UP_WARPS, the partial tiles' 16 KB and the rings'
-// SK_UP_WARPS * DEPTH * 32 * SK_UP_PIECE_BYTES of dynamic shared memory; H % 128 == 0, group 32. h rows are natural k
-// order.
+// Two forms: one block of 16 warps an SM (wide: a token's ~150 items are about one per SM) and five blocks of 4 warps
+// (narrow, 96 registers: from a few tokens on, 20 warps an SM that sync in fours hide the dequantization's latency
+// better: alone on K2 TP8 shapes 9-16% less time than the wide form from 4 to 192 tokens, 8% more at one token).
+// Launch: grid min(max_passes * I / 16, BLOCKS * SMs), block 32 * WARPS, the partial tiles' WARPS * 1 KB and the
+// rings' WARPS * DEPTH * 32 * SK_UP_PIECE_BYTES of dynamic shared memory; H % 128 == 0, group 32. h rows are natural
+// k order.
 #define SK_UP_PIECE_BYTES 80  // a lane's slot: 4 weight pieces (16 B) and 4 scale pairs (4 B)
-template <int DEPTH>
+template <int WARPS, int DEPTH>
 __device__ __forceinline__ void moe_up_skinny_ring(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
     const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
     __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {
+  static_assert(WARPS >= 4, "the epilogue's 128 threads sum the partial tiles");
   extern __shared__ __align__(16) unsigned char sk_smem[];
-  float(*part)[2][4][32] = reinterpret_cast<float(*)[2][4][32]>(sk_smem);  // [SK_UP_WARPS]: the warps' partial tiles
+  float(*part)[2][4][32] = reinterpret_cast<float(*)[2][4][32]>(sk_smem);  // [WARPS]: the warps' partial tiles
   const int tiles = I / 16, items = passes[0].x * tiles;
   if ((int)blockIdx.x >= items) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
@@ -445,7 +448,7 @@ __device__ __forceinline__ void moe_up_skinny_ring(
   const u32 row_stride = tiled ? 2 : groups;  // pieces between consecutive weight rows (skinny_row)
   // The lane's slot s of the ring: pieces at [s][q][lane] (16 B), scale pairs after them at [s][q][lane] (4 B).
   const unsigned char* ring_p =
-      sk_smem + sizeof(float) * SK_UP_WARPS * 2 * 4 * 32 + warp * DEPTH * 32 * SK_UP_PIECE_BYTES;
+      sk_smem + sizeof(float) * WARPS * 2 * 4 * 32 + warp * DEPTH * 32 * SK_UP_PIECE_BYTES;
   const u32 ring = smem_addr(ring_p);
   auto pass_of = [&](int it) { return it < items ? passes[1 + it / tiles] : make_int4(0, 0, 0, 0); };
 
@@ -467,7 +470,7 @@ __device__ __forceinline__ void moe_up_skinny_ring(
           cp_async4(slot + 32 * 64 + ((2 * m + hh) * 32 + lane) * 4, w13_scale + row + skinny_group(g & ~1, N, tiled),
                     true);
         }
-      i_ch += SK_UP_WARPS;
+      i_ch += WARPS;
       if (i_ch >= chunks) {  // on to the block's next item
         i_item += gridDim.x;
         i_ch = warp;
@@ -508,10 +511,10 @@ __device__ __forceinline__ void moe_up_skinny_ring(
     const bool has_next = next_item < items;
     if (has_next) setup(next_item, nxt);
     float acc[2][4] = {};
-    for (int ch = warp; ch < chunks; ch += SK_UP_WARPS, ++pos) {
+    for (int ch = warp; ch < chunks; ch += WARPS, ++pos) {
       uint4 xn[4];
-      if (ch + SK_UP_WARPS < chunks)
-        load_x(cur, ch + SK_UP_WARPS, xn);
+      if (ch + WARPS < chunks)
+        load_x(cur, ch + WARPS, xn);
       else
         load_x(nxt, has_next ? warp : chunks, xn);
       cp_async_wait<DEPTH - 2>();  // this chunk's copies have landed (each lane reads only its own)
@@ -539,7 +542,7 @@ __device__ __forceinline__ void moe_up_skinny_ring(
       const int l = threadIdx.x & 31, i = threadIdx.x >> 5, n = 2 * (l & 3) + (i & 1);
       float g = 0.f, u = 0.f;
 #pragma unroll
-      for (int v = 0; v < SK_UP_WARPS; ++v) {
+      for (int v = 0; v < WARPS; ++v) {
         g += part[v][0][i][l];
         u += part[v][1][i][l];
       }
@@ -553,16 +556,17 @@ __device__ __forceinline__ void moe_up_skinny_ring(
   }
   cp_async_wait<0>();
 }
-#define MOE_UP_SKINNY(DEPTH)                                                                                       \
-  extern "C" __global__ void __launch_bounds__(32 * SK_UP_WARPS, 1) moe_up_skinny_d##DEPTH(                       \
+#define MOE_UP_SKINNY(WARPS, BLOCKS, DEPTH)                                                                        \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) moe_up_skinny_w##WARPS##_d##DEPTH(             \
       const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,                                     \
       const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot,                           \
       const int4* __restrict__ passes, __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {            \
     griddep_begin();                                                                                               \
-    moe_up_skinny_ring<DEPTH>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);                 \
+    moe_up_skinny_ring<WARPS, DEPTH>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);          \
   }
-MOE_UP_SKINNY(2)
-MOE_UP_SKINNY(3)
+MOE_UP_SKINNY(16, 1, 2)  // wide; the ring of depth 3 needs 139 KB of shared memory
+MOE_UP_SKINNY(16, 1, 3)
+MOE_UP_SKINNY(4, 5, 3)  // narrow
 
 // Down: acc[token, n] += topk_weight * (W2[e] h)[n] for the pass's rows; per item (pass, tile of 256 outputs) warp
 // w owns output rows n0 = 256 tile + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through
