@@ -422,10 +422,10 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 
 // Gate/up: h[row0 + n, c0 + i] = silu(gate) * up for the pass's rows n < rows and the item's 16 columns
 // [c0, c0 + 16) of h (gate rows c0 + i and up rows I + c0 + i of w13). The WARPS warps split K = H into 128-k
-// chunks (warp w: chunks w, w + WARPS, ...). A warp's chunks, over the block's items one after another, are one stream: each
-// lane cp.asyncs its 16-byte weight pieces and 4-byte scale pairs DEPTH - 1 chunks ahead into its own slots of a ring
-// in shared memory (so the stream runs on into the next items while the block sums the warps' partial tiles), and
-// loads its x pieces (from L2) one chunk ahead into registers.
+// chunks (warp w: chunks w, w + WARPS, ...). A warp's chunks, over the block's items one after another, are one
+// stream: each lane cp.asyncs its 16-byte weight pieces and 4-byte scale pairs DEPTH - 1 chunks ahead into its own
+// slots of a ring in shared memory (so the stream runs on into the next items while the block sums the warps' partial
+// tiles), and loads its x pieces (from L2) one chunk ahead into registers.
 // Two forms: one block of 16 warps an SM (wide: a token's ~150 items are about one per SM) and five blocks of 4 warps
 // (narrow, 96 registers: from a few tokens on, 20 warps an SM that sync in fours hide the dequantization's latency
 // better: alone on K2 TP8 shapes 9-16% less time than the wide form from 4 to 192 tokens, 8% more at one token).
