@@ -88,3 +88,14 @@ def test_cuda_matches_reference(T, E, k, n_group, topk_group, norm, local):
             torch.testing.assert_close(choice.gather(1, mine), choice.gather(1, ref), rtol=0, atol=1e-5)
         assert (~same).sum() <= max(1, T // 100)
         torch.testing.assert_close(weights[same], ref_weights[same], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_cuda_ties_go_to_the_lower_id_across_lanes_and_slots(T):
+    logits = torch.full((T, 384), -5.0, device="cuda")
+    logits[:, [200, 40, 3, 70, 33]] = 3.0  # equal choices held by different lanes and register slots
+    ids, weights = moe_route(logits, torch.zeros(384, device="cuda"), 8)
+    assert ids.tolist() == [[3, 33, 40, 70, 200, 0, 1, 2]] * T
+    s = torch.tensor([3.0] * 5 + [-5.0] * 3).sigmoid()
+    torch.testing.assert_close(weights.cpu(), (s / s.sum()).expand(T, 8), rtol=1e-5, atol=1e-6)

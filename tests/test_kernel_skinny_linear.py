@@ -23,10 +23,10 @@ def test_out_dtype_is_x_dtype_or_fp32():
 
 
 def test_the_k_split_divides_k_and_fills_the_gpu_without_exceeding_its_waves():
-    assert k_splits(groups=18, steps=28, sm_count=132) == 28  # kv_a: 576 rows, K 7168
-    assert k_splits(groups=48, steps=28, sm_count=132) == 7  # q_a: 1536 rows
-    assert k_splits(groups=224, steps=4, sm_count=132) == 2  # o_proj: 7168 rows, K 1024
-    assert k_splits(groups=224, steps=1, sm_count=132) == 1  # shared down: K 256
+    assert k_splits(groups=24, steps=28, sm_count=132) == 14  # router: 384 rows of 16 a block, K 7168
+    assert k_splits(groups=132, steps=28, sm_count=132) == 4  # a_proj: q_a and kv_a, 2112 rows
+    assert k_splits(groups=96, steps=6, sm_count=132) == 3  # q_b: 1536 rows, K 1536
+    assert k_splits(groups=448, steps=4, sm_count=132) == 1  # o_proj: 7168 rows, K 1024
     assert k_splits(groups=10_000, steps=28, sm_count=132) == 1
 
 

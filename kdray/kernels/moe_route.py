@@ -7,9 +7,9 @@ HF masks them), and weighted by the unbiased scores, renormalised over the chose
 for experts on this rank, -1 for the others.
 
 CUDA tensors run ``cuda/moe_route.cu``: one warp per token (``moe_route.cuh``: sigmoid, bias, group mask, k rounds
-of a warp argmax, gather, normalise, scale), on torch's current stream, no host sync. ``w4a16_moe.routed_w4a16_moe``
-runs the same routing inside the MoE's prep launch for a few tokens. CPU tensors run the reference
-below, the unfused torch code (a dozen kernels on a GPU).
+that each take the warp's best of its lanes' best choices, gather, normalise, scale), on torch's current stream, no
+host sync. ``w4a16_moe.routed_w4a16_moe`` runs the same routing inside the MoE's prep launch for a few tokens. CPU
+tensors run the reference below, the unfused torch code (a dozen kernels on a GPU).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kdray.kernels.cuda_module import launch, sm_count
 
 MAX_ROWS = 1  # rows of x that take the kernel (H200: cuBLAS wins at 8)
-ROWS_PER_BLOCK = 32  # WARPS * RPW in the .cu
+ROWS_PER_BLOCK = 16  # WARPS * RPW in the .cu
 THREADS = 256  # 32 * WARPS in the .cu
 K_STEP = 256  # elements of K one warp covers per step
 WAVES = 4  # blocks per SM the K split aims for

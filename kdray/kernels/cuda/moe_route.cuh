@@ -1,9 +1,9 @@
 // Sigmoid routing of one token by one warp; see kernels/moe_route.py. Shared by the kernels of moe_route.cu.
 // s = sigmoid(logit), choice = s + bias; with n_group > 1 only the topk_group groups of highest top-2 choice
 // sum stay eligible (the others' choice becomes 0, as HF masks them); ids = the k highest choices (ties: lower
-// id), weights = s[ids] (/ their sum + 1e-20 when renormalize) * scale. Ids outside [e0, e0 + n_local) are
-// given as -1, the others as id - e0 (expert parallelism). Expert e = 32 i + lane is held in registers
-// (PER_LANE >= ceil(E / 32) per lane); k <= 32, n_group <= 32.
+// id; a NaN choice is never taken), weights = s[ids] (/ their sum + 1e-20 when renormalize) * scale. Ids outside
+// [e0, e0 + n_local) are given as -1, the others as id - e0 (expert parallelism). Expert e = 32 i + lane is held in
+// registers (PER_LANE >= ceil(E / 32) per lane); k <= 32, n_group <= 32.
 #pragma once
 
 #define FULL 0xffffffffu
@@ -20,6 +20,54 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
       i = oi;
     }
   }
+}
+
+// A choice as an unsigned key in the same order (0: no candidate, below every choice's key; NaN: none either).
+__device__ __forceinline__ unsigned choice_key(float v) {
+  const unsigned u = __float_as_uint(v);
+  return v != v ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(FULL, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL, v, o));
+  return v;
+#endif
+}
+
+__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(FULL, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL, v, o));
+  return v;
+#endif
+}
+
+// The highest of keys [LO, LO + N) as a tree of depth log2(N) (indices known at compile time: registers).
+template <int LO, int N>
+struct KeyMax {
+  static __device__ __forceinline__ unsigned of(const unsigned* key) {
+    return max(KeyMax<LO, N / 2>::of(key), KeyMax<LO + N / 2, N - N / 2>::of(key));
+  }
+};
+template <int LO>
+struct KeyMax<LO, 1> {
+  static __device__ __forceinline__ unsigned of(const unsigned* key) { return key[LO]; }
+};
+
+// The highest of a lane's N keys and its slot (ties: the lower slot).
+template <int N>
+__device__ __forceinline__ void lane_best(const unsigned (&key)[N], unsigned& best, int& slot) {
+  best = KeyMax<0, N>::of(key);
+  unsigned hit = 0u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) hit |= (key[i] == best ? 1u : 0u) << i;
+  slot = __ffs(hit) - 1;
 }
 
 // Routes the token of logits [E] (all 32 lanes call it); lane j < k gets its j-th choice as (id, weight).
@@ -75,27 +123,30 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
       if (e < E && !((keep >> (e / G)) & 1u)) ch[i] = 0.f;
     }
   }
+  // The k rounds: each lane keeps the best of its own experts (key, slot); a round takes the warp's best with two
+  // reductions and the winning lane alone looks again at its own. (H200, K2: one scan of every lane's experts and a
+  // 10-shuffle argmax a round took ~4 us of moe_route_prep's ~9 at one token.)
+  unsigned key[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) key[i] = 32 * i + lane < E ? choice_key(ch[i]) : 0u;
+  unsigned best;
+  int best_i;
+  lane_best(key, best, best_i);
   int my_e = -1;
   float my_w = 0.f, wsum = 0.f;
   for (int j = 0; j < k; ++j) {
-    float v = NEG_INF;
-    int e = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i)
-      if (ch[i] != NEG_INF && (ch[i] > v || (ch[i] == v && 32 * i + lane < e))) {
-        v = ch[i];
-        e = 32 * i + lane;
-      }
-    warp_argmax(v, e);
-    const int owner = e & 31, slot = e >> 5;
+    const unsigned top = warp_max_u32(best);
+    const int e = (int)warp_min_u32(best == top ? 32u * best_i + lane : 0xffffffffu);  // ties: the lower id
+    const int owner = e & 31;
     float w = 0.f;
     if (lane == owner) {
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i)
-        if (i == slot) {
+        if (i == best_i) {
           w = s[i];
-          ch[i] = NEG_INF;
+          key[i] = 0u;
         }
+      lane_best(key, best, best_i);
     }
     w = __shfl_sync(FULL, w, owner);
     if (lane == j) {

@@ -14,7 +14,11 @@
 #define M_ROWS 1
 #endif
 #define WARPS 8
-#define RPW 4  // weight rows per warp: each x load serves RPW rows
+// Weight rows per warp (each x load serves RPW rows) and K steps whose loads a warp has in flight. H200, K2 TP8
+// shard at one row (results/skinny-linear-rows-per-warp-2026-12-03-h200-session20.txt): 2 rows x 4 steps against
+// 4 x 2, a_proj 12.2 -> 10.6 us, o_proj 7.6 -> 5.6 (its 448 row groups fill the GPU unsplit: no partial sums).
+#define RPW 2
+constexpr int k_unroll = 4;
 #define ROWS_PER_BLOCK (WARPS * RPW)
 
 #ifdef OUT_F32
@@ -55,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int m = 0; m < M_ROWS; ++m) acc[r][m] = 0.f;
 
-#pragma unroll 2
+#pragma unroll k_unroll
   for (int k = k0 + lane * 8; k < k0 + KS; k += 256) {
     vec8 wv[RPW];
 #pragma unroll
