@@ -28,22 +28,17 @@ __device__ __forceinline__ unsigned choice_key(float v) {
   return v != v ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+// The warp's highest (MAX) or lowest unsigned value, in every lane.
+template <bool MAX>
+__device__ __forceinline__ unsigned warp_extreme(unsigned v) {
 #if __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(FULL, v);
+  return MAX ? __reduce_max_sync(FULL, v) : __reduce_min_sync(FULL, v);
 #else
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL, v, o));
-  return v;
-#endif
-}
-
-__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(FULL, v);
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL, v, o));
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned u = __shfl_xor_sync(FULL, v, o);
+    v = MAX ? max(v, u) : min(v, u);
+  }
   return v;
 #endif
 }
@@ -135,8 +130,8 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
   int my_e = -1;
   float my_w = 0.f, wsum = 0.f;
   for (int j = 0; j < k; ++j) {
-    const unsigned top = warp_max_u32(best);
-    const int e = (int)warp_min_u32(best == top ? 32u * best_i + lane : 0xffffffffu);  // ties: the lower id
+    const unsigned top = warp_extreme<true>(best);
+    const int e = (int)warp_extreme<false>(best == top ? 32u * best_i + lane : 0xffffffffu);  // ties: the lower id
     const int owner = e & 31;
     float w = 0.f;
     if (lane == owner) {
