@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kdray.kernels.tree_verify_attention as tva
+from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.tree_verify_attention import (_combine_cols, _mma_smem_bytes, _num_splits, _tree_attention_cuda,
                                                  gqa_tree_attention, mla_tree_attention, tree_attention_reference)
 
@@ -242,6 +243,49 @@ def test_mla_cuda_graph_replay_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,prefixes", [([1], [4096]), ([1, 3, 17], [4095, 64, 2000])], ids=["decode", "ragged"])
+def test_early_prefix_reads_the_tree_rows_after_the_kernel_ahead(q_lens, prefixes):
+    """``early_prefix`` copies prefix rows while the kernel ahead runs, the tree's rows only after it: in a captured
+    pass ``mla_rope_cache`` writes the tree's rows (NaN before it) and the attention must see what it wrote."""
+    scale, page = 0.13, 64
+    case = make_case(q_lens, prefixes, heads=8, page_size=page, dtype=torch.bfloat16, device="cuda", seed=5)
+    q, cache, bt = case[:3]
+    pos = [torch.arange(p, p + n, device="cuda") for p, n in zip(prefixes, q_lens)]  # the trees' cache positions
+    slots = torch.cat([bt[b, x // page].long() * page + x % page for b, x in enumerate(pos)])
+    rows = cache.view(-1, MLA_DK)
+    rows[slots] = float("nan")
+    T = q.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kv_a = torch.randn(T, MLA_DK, device="cuda", generator=gen).bfloat16()
+    angles = torch.rand(T, (MLA_DK - MLA_DV) // 2, device="cuda", generator=gen)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    weight = torch.ones(MLA_DV, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.zeros(T, 8, MLA_DK - MLA_DV, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((T, 8, MLA_DV), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q_rope, q_rope, rows, slots)
+        mla_tree_attention(*case, scale, MLA_DV, out=out, early_prefix=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # loads the kernels outside the capture
+        torch.cuda.synchronize()
+        rows[slots] = float("nan")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not rows[slots].isnan().any()
+    ref = _reference(case, None, scale)
+    assert _rel_err(out, ref) < 2e-2, _where_wrong(out, ref)
 
 
 REPEAT_CASES = {  # name: (q_lens, prefixes, Hq, Hkv or None (MLA), D, page_size)

@@ -90,10 +90,15 @@ def tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_m
 
 def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        prefix_lens: torch.Tensor, cu_q: torch.Tensor, tree_mask: torch.Tensor,
-                       scale: float, kv_lora_rank: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: float, kv_lora_rank: int, out: torch.Tensor | None = None,
+                       early_prefix: bool = False) -> torch.Tensor:
     """MLA latent tree attention: q ``[T, H, Dk]``, kv_cache ``[P, S, Dk]`` -> ``[T, H, kv_lora_rank]``.
 
     ``out`` (CUDA only, optional): a contiguous ``[T, H, kv_lora_rank]`` tensor of q's dtype to write into.
+    ``early_prefix`` (CUDA only): the caller promises that ``block_table``, ``prefix_lens``, ``cu_q`` and the
+    prefix rows of ``kv_cache`` were final before the kernel ahead on the stream began (true inside a model pass,
+    where only the tree's own rows are written); the kernel's CTAs then start copying prefix rows while that
+    kernel still runs (programmatic dependent launch, in a CUDA graph). q and the tree's rows are read after it.
     """
     _check(q, block_table, prefix_lens, cu_q, tree_mask)
     if q.shape[-1] != kv_cache.shape[-1]:
@@ -103,7 +108,8 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             raise ValueError(f"kv_cache must be [P, S, Dk] with kv_lora_rank <= Dk, got {tuple(kv_cache.shape)} "
                              f"and kv_lora_rank={kv_lora_rank}")
         return _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, kv_heads=1,
-                                    dv=kv_lora_rank, row_stride=kv_cache.shape[-1], v_off=0, out=out)
+                                    dv=kv_lora_rank, row_stride=kv_cache.shape[-1], v_off=0, out=out,
+                                    early_prefix=early_prefix)
     split = lambda rows: (rows.unsqueeze(1), rows[:, None, :kv_lora_rank])  # noqa: E731
     return tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, split)
 
@@ -164,7 +170,7 @@ def _combine_cols(rows: int, dv: int, sms: int) -> int:
 
 
 def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, *, kv_heads, dv,
-                         row_stride, v_off, out=None, mma_sync=False):
+                         row_stride, v_off, out=None, mma_sync=False, early_prefix=False):
     """Check and launch one batch on q's device and torch's current stream; ``mma_sync`` forces the sm_80 path."""
     T, hq, dk = q.shape
     B, max_pages = block_table.shape
@@ -224,7 +230,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     defines = (("TVA_MMA_SYNC", 1),) if mma_sync else ()
     ws_o, ws_ml = (ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (0, 0)  # 0: null pointers
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
-           inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits),),
+           inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits), i32(early_prefix)),
            shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
     if n_splits > 1:
         vw = _combine_cols(T * hq, dv, sm_count(dev.index))

@@ -86,13 +86,15 @@ class MLAttention(nn.Module):
             out = self._plain(q, latent, k_pe, batch)
         else:
             q_attn = torch.empty(T, self.heads, c.kv_cache_dim, dtype=q.dtype, device=q.device)  # [T, Hl, L + rope]
-            mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q[..., nope:],
-                           q_attn[..., L:], rows, batch.slot_mapping)
             w_uk, w_uv = self._absorbed_weights()
             # [Hl, T, nope] x [Hl, nope, kv_lora] -> [Hl, T, kv_lora], written into q_attn's latent part
             torch.bmm(q[..., :nope].transpose(0, 1), w_uk, out=q_attn[..., :L].transpose(0, 1))
+            # After the GEMM, so that the attention's copies of the prefix overlap this kernel (early_prefix: only
+            # the tree's rows are written in a pass)
+            mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q[..., nope:],
+                           q_attn[..., L:], rows, batch.slot_mapping)
             o_latent = mla_tree_attention(q_attn, cache, batch.block_table, batch.prefix_lens, batch.cu_q,
-                                          batch.tree_mask, c.softmax_scale, L)  # [T, Hl, kv_lora]
+                                          batch.tree_mask, c.softmax_scale, L, early_prefix=True)  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
             torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))  # [Hl, T, v]
         return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))

@@ -203,11 +203,14 @@ __device__ __forceinline__ void tva_mma_body(
     const int* __restrict__ prefix_lens, const int* __restrict__ cu_q, const int* __restrict__ tree_mask,
     bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int B,
     int T, int Hq, int Hkv, int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off,
-    float scale_log2, int n_splits) {
+    float scale_log2, int n_splits, int early_prefix) {
   using C = MmaCfg<DK, DV, V_IN_K, NWG>;
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
   const int G = Hq / Hkv, kvh = blockIdx.z, split = blockIdx.y;
+  // early_prefix: the batch's metadata and its prefix rows were final before the kernel ahead began, so this CTA
+  // finds its work and starts copying its first tile's prefix rows while that kernel still runs.
+  if (!early_prefix) griddep_wait();
   int b, tile;
   if (!find_tile(cu_q, B, G, blockIdx.x, b, tile)) return;
   const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, prefix = prefix_lens[b], n_keys = prefix + q_len;
@@ -218,38 +221,38 @@ __device__ __forceinline__ void tva_mma_body(
   int kb = split * per;
   const int kb_end = min(kb + per, nb);
 
-  // The last warpgroup issues every copy (with NWG > 1 it would otherwise idle while warpgroup 0
-  // computes S); TPR consecutive threads copy one row's 16-byte chunks.
-  const bool loader = wg == NWG - 1;
-  const int lr = (tid & 127) / C::TPR, sub = tid % C::TPR;
   const u32 sQ = smem_u32(smem), sKV = sQ + C::Q_BYTES;
-  if (loader) {
-    const int gr = tile * BM + lr, i = gr / G;
-    const bool ok = i < q_len;
-    const bf16* src = q + ((long long)(q0 + (ok ? i : 0)) * Hq + kvh * G + gr % G) * DK;
-    for (int c = sub; c < DK / 8; c += C::TPR) cp_async16(sQ + swz(lr, c), src + c * 8, ok);
-  }
   const int* bt = block_table + (long long)b * max_pages;
   const int page_mask = (1 << page_shift) - 1;
-  auto page_of = [&](int blk) {
-    const int p = blk * BN + lr;
-    return p < n_keys ? __ldg(bt + (p >> page_shift)) : 0;
-  };
-  auto load_kv = [&](int blk, int stage, int page) {
-    const int p = blk * BN + lr;
+  auto page_of = [&](int p) { return p < n_keys ? __ldg(bt + (p >> page_shift)) : 0; };
+  // Cache position p (zeros past the last key) into row r of a stage; threads s, s + tpr, ... of the row copy it.
+  auto load_kv = [&](int p, int r, int s, int tpr, int stage, int page) {
     const bool ok = p < n_keys;
     const bf16* row = kv + (((long long)page << page_shift) + (p & page_mask)) * row_stride;
     const u32 dst = sKV + stage * C::STAGE_BYTES;
-    for (int c = sub; c < DK / 8; c += C::TPR) cp_async16(dst + swz(lr, c), row + kvh * DK + c * 8, ok);
+    for (int c = s; c < DK / 8; c += tpr) cp_async16(dst + swz(r, c), row + kvh * DK + c * 8, ok);
     if (!V_IN_K)
-      for (int c = sub; c < DV / 8; c += C::TPR)
-        cp_async16(dst + C::K_BYTES + swz(lr, c), row + v_off + kvh * DV + c * 8, ok);
+      for (int c = s; c < DV / 8; c += tpr)
+        cp_async16(dst + C::K_BYTES + swz(r, c), row + v_off + kvh * DV + c * 8, ok);
   };
-  int page_next = 0;
-  if (loader) {
-    load_kv(kb, 0, page_of(kb));
-    page_next = page_of(kb + 1);
+  // Every thread copies the first key tile and Q (fr: its row, fs of TPR0 threads); only the tile's rows are read
+  // of Q: the rows past them stay unset, and their results, each row's own, are never stored.
+  constexpr int TPR0 = NWG * 128 / BN;
+  const int fr = tid / TPR0, fs = tid % TPR0, fp = kb * BN + fr;
+  const bool fp_early = early_prefix && fp < prefix;
+  if (fp_early) load_kv(fp, fr, fs, TPR0, 0, page_of(fp));
+  griddep_wait();
+  if (fr < rows) {
+    const int gr = tile * BM + fr;
+    const bf16* src = q + ((long long)(q0 + gr / G) * Hq + kvh * G + gr % G) * DK;
+    for (int c = fs; c < DK / 8; c += TPR0) cp_async16(sQ + swz(fr, c), src + c * 8, true);
   }
+  if (!fp_early) load_kv(fp, fr, fs, TPR0, 0, page_of(fp));
+  // The last warpgroup copies the later tiles (with NWG > 1 it would otherwise idle while warpgroup 0 computes S),
+  // TPR consecutive threads a row, looking up the next tile's page one tile ahead.
+  const bool loader = wg == NWG - 1;
+  const int lr = (tid & 127) / C::TPR, sub = tid % C::TPR;
+  int page_next = loader ? page_of((kb + 1) * BN + lr) : 0;
   cp_async_commit();
 
   // This thread's two rows: the query each one belongs to (clamped for padding rows) and its mask row.
@@ -278,8 +281,8 @@ __device__ __forceinline__ void tva_mma_body(
 #endif
     __syncthreads();  // tile kb visible; everyone is done with tile kb - 1, whose stage is refilled next
     if (loader && kb + 1 < kb_end) {
-      load_kv(kb + 1, st ^ 1, page_next);
-      page_next = page_of(kb + 2);
+      load_kv((kb + 1) * BN + lr, lr, sub, C::TPR, st ^ 1, page_next);
+      page_next = page_of((kb + 2) * BN + lr);
     }
     cp_async_commit();
     const u32 sK = sKV + st * C::STAGE_BYTES, sV = V_IN_K ? sK : sK + C::K_BYTES;
@@ -404,23 +407,24 @@ __device__ __forceinline__ void tva_mma_body(
 #define TVA_MMA_ARGS                                                                                        \
   const bf16 *q, const bf16 *kv, const int *block_table, const int *prefix_lens, const int *cu_q,            \
       const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int B, int T, int Hq, int Hkv,             \
-      int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2, int n_splits
+      int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2, int n_splits, \
+      int early_prefix
 #define TVA_MMA_PASS                                                                                        \
   q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, B, T, Hq, Hkv, page_shift, max_pages,   \
-      Qmax, W, row_stride, v_off, scale_log2, n_splits
+      Qmax, W, row_stride, v_off, scale_log2, n_splits, early_prefix
 
 // MLA latent (576-dim keys, values = their first 512 columns, one KV head).
 extern "C" __global__ void __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
-  griddep_begin();
+  griddep_launch_dependents();  // tva_mma_body waits
   tva_mma_body<576, 512, true, 2>(TVA_MMA_PASS);
 }
 // GQA, head dim 64 / 128 (keys and values are separate cache columns).
 extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa64(TVA_MMA_ARGS) {
-  griddep_begin();
+  griddep_launch_dependents();  // tva_mma_body waits
   tva_mma_body<64, 64, false, 1>(TVA_MMA_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa128(TVA_MMA_ARGS) {
-  griddep_begin();
+  griddep_launch_dependents();  // tva_mma_body waits
   tva_mma_body<128, 128, false, 1>(TVA_MMA_PASS);
 }
 
