@@ -13,28 +13,43 @@ from kdray.kernels.cuda_module import CUDA_DIR
 from kdray.kernels.skinny_linear import ROWS_PER_BLOCK, THREADS
 
 
+def _functions(src: str, marker: str):
+    """(name, body) of every function in ``src`` declared with ``marker`` (``__global__``, ``__device__``)."""
+    for m in re.finditer(marker, src):
+        i, depth = m.end(), 0
+        while True:  # past the parameter list (and __launch_bounds__'s parentheses) to the body's brace
+            c = src[i]
+            if c == ";" and depth == 0:  # a declaration or a variable, not a definition
+                break
+            depth += c == "("
+            depth -= c == ")"
+            if c == "{" and depth == 0:
+                break
+            i += 1
+        if src[i] == ";":
+            continue
+        names = [n for n in re.findall(r"(\w+(?:##\w+)*)\s*\(", src[m.end():i]) if n != "__launch_bounds__"]
+        if not names:
+            continue
+        start, depth = i, 0
+        while True:
+            depth += src[i] == "{"
+            depth -= src[i] == "}"
+            i += 1
+            if depth == 0:
+                break
+        yield names[0], src[start:i]
+
+
 def _kernel_bodies():
-    """(file, kernel, body) of every ``__global__`` function in ``kernels/cuda`` (macro-made ones included)."""
+    """(file, kernel, body) of every ``__global__`` function in ``kernels/cuda`` (macro-made ones included), with the
+    bodies of the file's device functions it calls appended (a kernel may wait inside its body function)."""
     for path in sorted(CUDA_DIR.glob("*.cu")):
         src = path.read_text()
-        for m in re.finditer(r"__global__", src):
-            i, depth = m.end(), 0
-            while True:  # past the parameter list (and __launch_bounds__'s parentheses) to the body's brace
-                c = src[i]
-                depth += c == "("
-                depth -= c == ")"
-                if c == "{" and depth == 0:
-                    break
-                i += 1
-            name = [n for n in re.findall(r"(\w+(?:##\w+)*)\s*\(", src[m.end():i]) if n != "__launch_bounds__"][0]
-            start, depth = i, 0
-            while True:
-                depth += src[i] == "{"
-                depth -= src[i] == "}"
-                i += 1
-                if depth == 0:
-                    break
-            yield path.name, name, src[start:i]
+        device = dict(_functions(src, r"__device__ __forceinline__"))
+        for name, body in _functions(src, r"__global__"):
+            called = [device[f] for f in re.findall(r"(\w+)\s*(?:<[^;(]*>)?\s*\(", body) if f in device]
+            yield path.name, name, "\n".join([body] + called)
 
 
 def test_every_kernel_waits_for_the_kernels_ahead():

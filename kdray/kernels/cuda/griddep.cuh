@@ -1,8 +1,10 @@
 // Programmatic dependent launch (sm_90+). Inside a CUDA graph capture, kernels/cuda_module.launch lets a kernel be
 // launched while the kernel ahead of it on the stream still runs: its blocks take free room on the SMs and stop in
 // griddep_wait() until the kernels ahead have finished and their writes are visible. So every kernel calls
-// griddep_wait() before it reads or writes memory that other work touches. griddep_launch_dependents() lets the kernel
-// after this one be launched. Both are no-ops in a plain launch and before sm_90.
+// griddep_wait() before it reads or writes memory that other work touches; the one exception is memory its caller
+// declares final before the kernel ahead began (tree attention's early_prefix: the block table and the cache's prefix
+// rows within a model pass), which may be read first. griddep_launch_dependents() lets the kernel after this one be
+// launched. Both are no-ops in a plain launch and before sm_90.
 #pragma once
 
 __device__ __forceinline__ void griddep_wait() {
