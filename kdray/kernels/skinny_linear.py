@@ -1,7 +1,7 @@
 """``y = x W^T`` for a single token (decode): ``skinny_linear``.
 
 At one token a projection is a weight stream: cuBLAS picks split-K GEMMs plus a reduce kernel for K2's shard
-projections (issue 12). ``cuda/skinny_linear.cu`` streams the weights at 16 bytes per lane, four rows per warp,
+projections (issue 12). ``cuda/skinny_linear.cu`` streams the weights at 16 bytes per lane, two rows per warp,
 with K split across blocks so that even 576 output rows fill the GPU, and the last block of each row group adding
 the partial sums (one launch, no host sync, capturable in a CUDA graph). fp32 accumulation, one rounding, as
 cuBLAS's bf16 GEMM does.

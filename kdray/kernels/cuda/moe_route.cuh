@@ -77,7 +77,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
   for (int i = 0; i < PER_LANE; ++i) {
     const int e = 32 * i + lane;
     s[i] = 0.f;
-    ch[i] = NEG_INF;  // -inf: not a candidate (past E, or already chosen)
+    ch[i] = NEG_INF;  // past E: never a candidate (its key below is 0)
     if (e < E) {
       s[i] = 1.f / (1.f + __expf(-logits[e]));
       ch[i] = s[i] + bias[e];
