@@ -241,7 +241,7 @@ __device__ __forceinline__ void tva_mma_body(
   const int fr = tid / TPR0, fs = tid % TPR0, fp = kb * BN + fr;
   const bool fp_early = early_prefix && fp < prefix;
   if (fp_early) load_kv(fp, fr, fs, TPR0, 0, page_of(fp));
-  griddep_wait();
+  if (early_prefix) griddep_wait();  // (without early_prefix the CTA waited before finding its work)
   if (fr < rows) {
     const int gr = tile * BM + fr;
     const bf16* src = q + ((long long)(q0 + gr / G) * Hq + kvh * G + gr % G) * DK;
