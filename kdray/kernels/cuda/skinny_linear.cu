@@ -14,9 +14,12 @@
 #define M_ROWS 1
 #endif
 #define WARPS 8
-// Weight rows per warp (each x load serves RPW rows) and K steps whose loads a warp has in flight. H200, K2 TP8
-// shard at one row (results/skinny-linear-rows-per-warp-2026-12-03-h200-session20.txt): 2 rows x 4 steps against
-// 4 x 2, a_proj 12.2 -> 10.6 us, o_proj 7.6 -> 5.6 (its 448 row groups fill the GPU unsplit: no partial sums).
+// Weight rows per warp (each x load serves RPW rows) and K steps unrolled. H200, K2 TP8 shard at one row
+// (results/skinny-linear-rows-per-warp-2026-12-03-h200-session20.txt): 2 rows x 4 steps against 4 x 2, a_proj
+// 12.2 -> 10.6 us, o_proj 7.6 -> 5.6 (its 448 row groups fill the GPU unsplit: no partial sums). The unroll does
+// not put four steps of loads in flight: ptxas issues each step's loads just before its FMAs (SASS), and
+// software-pipelining them was slower in the pass
+// (results/skinny-linear-down-loads-ahead-not-kept-2026-12-03-h200-session23.txt).
 #define RPW 2
 constexpr int k_unroll = 4;
 #define ROWS_PER_BLOCK (WARPS * RPW)
