@@ -7,7 +7,7 @@ from gpu_checks import poison_allocator, rel_err
 import kdray.kernels.w4a16_moe as w4a16_moe_module
 from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
 from kdray.kernels.moe_route import moe_route, moe_route_reference
-from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, SKINNY_UP_NARROW, SKINNY_UP_WIDE,
+from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, SKINNY_UP_FORMS,
                                      VARIANTS, WGMMA_VARIANTS, _choose_variant, _skinny_up_form, _w4a16_moe_cuda,
                                      _wgmma_ok, random_int4_experts,
                                      repack_int4_experts, routed_w4a16_moe, unpack_int4_experts, w4a16_moe,
@@ -105,10 +105,13 @@ def test_add_is_added_after_rounding():
 
 
 def test_skinny_up_form_by_items():
-    """K2 TP8 on 132 SMs: one token's items (9 passes x 16 column tiles at most) take the wide gate/up kernel, two
-    tokens' (18 x 16) the narrow one."""
-    assert _skinny_up_form(9 * 16, 132) == SKINNY_UP_WIDE
-    assert _skinny_up_form(18 * 16, 132) == SKINNY_UP_NARROW
+    """K2 TP8 on 132 SMs: one token's items (9 passes x 16 column tiles at most) take the 16-warp gate/up kernel, four
+    tokens' (36 x 16) the 4-warp one, 16 tokens' (144 x 16) the one with two chunks ahead."""
+    wide, few, many = (form[1:] for form in SKINNY_UP_FORMS)
+    assert _skinny_up_form(9 * 16, 132) == wide == (16, 1, 1)
+    assert _skinny_up_form(36 * 16, 132) == few
+    assert _skinny_up_form(144 * 16, 132) == many
+    assert _skinny_up_form(8 * 132 - 1, 132) == few and _skinny_up_form(8 * 132, 132) == many
 
 
 def test_skinny_path_serves_few_rows_per_expert():
@@ -531,19 +534,17 @@ def tiled_equals_compressed(T, H, I, E, k, used, skip, variant, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form,depth", [(w4a16_moe_module.SKINNY_UP_WIDE, d) for d in w4a16_moe_module.SKINNY_UP_DEPTHS]
-                         + [(w4a16_moe_module.SKINNY_UP_NARROW, max(w4a16_moe_module.SKINNY_UP_DEPTHS))])
-def test_cuda_skinny_every_up_kernel(form, depth, monkeypatch):
-    """Each form and ring depth of the gate/up kernel (the GPU runs the deepest ring that its shared memory holds) is
-    right, with a block's stream running across many items (1000 tokens x 8 slots over 24 experts: ~1000 passes x 16
-    items)."""
-    T, H, I, E, k = 1000, 1024, 256, 24, 8
-    gen = torch.Generator("cuda").manual_seed(depth)
+@pytest.mark.parametrize("form", [form[1:] for form in w4a16_moe_module.SKINNY_UP_FORMS])
+def test_cuda_skinny_every_up_kernel(form, monkeypatch):
+    """Each form of the gate/up kernel is right, with a block's stream running across many items (1000 tokens x 8
+    slots over 24 experts: ~1000 passes x 16 items) and H = 1152 (9 chunks: the warps' last positions load and add
+    nothing)."""
+    T, H, I, E, k = 1000, 1152, 256, 24, 8
+    gen = torch.Generator("cuda").manual_seed(form[0])
     tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     ids, weights = _routing(T, E, k, "cuda", skip=0.1, gen=gen)
     monkeypatch.setattr(w4a16_moe_module, "_skinny_up_form", lambda items, sms: form)
-    monkeypatch.setattr(w4a16_moe_module, "_skinny_up_depth", lambda device_index, warps: depth)
     poison_allocator()
     out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
     assert rel_err(out, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2

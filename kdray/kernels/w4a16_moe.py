@@ -28,10 +28,9 @@ verify step's MoE can be captured in a CUDA graph:
 Three families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
 (passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
 pass's rows as its 8 columns; K split across the warps of a block; persistent blocks over (pass, column tile) items,
-a wave at most, since the pass count is only known on the device; the gate/up GEMM's lanes cp.async their pieces
-into a ring in shared memory, ``SKINNY_UP_DEPTHS``, in blocks of 16 warps for one token and of 4 for more,
-``SKINNY_UP_WIDE`` and ``SKINNY_UP_NARROW``), otherwise the tile path (``VARIANTS``: weights staged through a
-cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
+a wave at most, since the pass count is only known on the device; each lane loads its weights into registers ahead
+of their math; ``SKINNY_UP_FORMS`` for the gate/up GEMM), otherwise the tile path (``VARIANTS``: weights staged
+through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
 ``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``). Its down GEMM writes each
 (token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results
 are the same bits on every call. The chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
@@ -49,7 +48,6 @@ needs the tiled one. ``MoE.load`` (``model/k2.py``) repacks the experts when the
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -67,12 +65,12 @@ MAX_E = 4096  # experts the routing block's shared memory holds
 VARIANTS = {"m16n1": (16, 1, 4), "m32n1": (32, 1, 3), "m32n2": (32, 2, 2), "m64n2": (64, 2, 2)}
 SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and I multiples of 128
 SKINNY_ROWS = 8
-# moe_up_skinny_w<warps>_d<depth>: (warps, blocks resident per SM) of the wide form (for a token's few items) and the
-# narrow one (from SKINNY_UP_NARROW_ITEMS items per SM on); depth: chunks in each warp's ring of weights (depth - 1 in
-# flight), the deepest of SKINNY_UP_DEPTHS that the GPU's shared memory holds (the narrow form's 3 fits any GPU).
-SKINNY_UP_WIDE, SKINNY_UP_NARROW = (16, 1), (4, 5)
-SKINNY_UP_NARROW_ITEMS = 2
-SKINNY_UP_DEPTHS = (2, 3)
+# moe_up_skinny_w<warps>_b<blocks>_a<ahead> by items (pass, column tile) per SM: (from items per SM, warps, blocks
+# resident per SM, chunks each warp loads ahead). One token's ~one item an SM takes 16 warps a block; from a few, 4;
+# from many, 4 in 3 blocks with twice the loads in flight (H200, K2 TP8, alone: 1.31-1.45x -> 1.14-1.24x of the
+# bytes' time from 16 to 65 tokens against session 23's cp.async ring; at 4 tokens the second form 1.38x, the
+# third 1.66x).
+SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
 SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (74 registers)
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
@@ -385,11 +383,10 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
     if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave
         up_items = max_passes * (I // 16)
-        warps, blocks = _skinny_up_form(up_items, sms)
-        depth = _skinny_up_depth(dev.index, warps)
-        launch("w4a16_moe", f"moe_up_skinny_w{warps}_d{depth}", (min(up_items, blocks * sms),), (32 * warps,),
-               (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)),
-               shared_mem=_skinny_up_smem(warps, depth), device=dev)
+        warps, blocks, ahead = _skinny_up_form(up_items, sms)
+        launch("w4a16_moe", f"moe_up_skinny_w{warps}_b{blocks}_a{ahead}", (min(up_items, blocks * sms),),
+               (32 * warps,), (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)),
+               device=dev)
         down_items = max_passes * math.ceil(H / SKINNY_DOWN_ROWS)
         launch("w4a16_moe", "moe_down_skinny", (min(down_items, SKINNY_DOWN_BLOCKS * sms),), (SKINNY_DOWN_THREADS,),
                (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(tiled)),
@@ -410,23 +407,9 @@ def _join(add_stream: torch.cuda.Stream | None, dev: torch.device):
         torch.cuda.current_stream(dev).wait_stream(add_stream)
 
 
-def _skinny_up_form(items: int, sms: int) -> tuple[int, int]:
-    """(warps, blocks per SM) of the gate/up kernel for at most ``items`` (pass, column tile) items."""
-    return SKINNY_UP_NARROW if items >= SKINNY_UP_NARROW_ITEMS * sms else SKINNY_UP_WIDE
-
-
-def _skinny_up_smem(warps: int, depth: int) -> int:
-    """moe_up_skinny_w<warps>_d<depth>'s shared memory: the warps' partial tiles (1 KB each), their rings (2560 B a
-    chunk)."""
-    return warps * (2 * 4 * 32 * 4 + depth * 32 * 80)
-
-
-@functools.cache
-def _skinny_up_depth(device_index: int, warps: int) -> int:
-    """The deepest ring of ``SKINNY_UP_DEPTHS`` whose shared memory the GPU gives a block of ``warps`` warps (asked
-    once per GPU)."""
-    limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-    return max(d for d in SKINNY_UP_DEPTHS if _skinny_up_smem(warps, d) <= limit)
+def _skinny_up_form(items: int, sms: int) -> tuple[int, int, int]:
+    """(warps, blocks per SM, chunks ahead) of the gate/up kernel for at most ``items`` (pass, column tile) items."""
+    return next(form[1:] for form in reversed(SKINNY_UP_FORMS) if items >= form[0] * sms)
 
 
 def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms):

@@ -353,9 +353,8 @@ extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, const ui
 
 // ---------------------------------------------------------------------------------------------------------------
 // Skinny path (few rows per expert): a pass is one expert's <= 8 rows, and the mma is swapped: 16 weight rows are
-// the A operand (each lane's 16-byte weight pieces dequantized in registers: the down GEMM loads them from global
-// memory, the gate/up GEMM from its lane's own slots of a ring in shared memory that cp.async fills ahead) and the
-// pass's rows the 8 columns of B (read from x or h as they are and permuted in registers), so each weight byte
+// the A operand (each lane's 16-byte weight pieces, loaded from global memory into registers and dequantized there)
+// and the pass's rows the 8 columns of B (read from x or h as they are and permuted in registers), so each weight byte
 // crosses HBM once and feeds one mma. Lane (r, c) of a warp loads the 32 k [32 (4 ch + c), +32) of chunk ch of
 // weight rows r and r + 8 (one group: one scale) and the same 32 k of row r of B; pair p of word q of its weight
 // piece (nibbles p, p + 4) meets the B pair (8q + p, 8q + p + 4), the k-slot mapping of the tensor-core path above.
@@ -422,151 +421,141 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 
 // Gate/up: h[row0 + n, c0 + i] = silu(gate) * up for the pass's rows n < rows and the item's 16 columns
 // [c0, c0 + 16) of h (gate rows c0 + i and up rows I + c0 + i of w13). The WARPS warps split K = H into 128-k
-// chunks (warp w: chunks w, w + WARPS, ...). A warp's chunks, over the block's items one after another, are one
-// stream: each lane cp.asyncs its 16-byte weight pieces and 4-byte scale pairs DEPTH - 1 chunks ahead into its own
-// slots of a ring in shared memory (so the stream runs on into the next items while the block sums the warps' partial
-// tiles), and loads its x pieces (from L2) one chunk ahead into registers.
-// Two forms: one block of 16 warps an SM (wide: a token's ~150 items are about one per SM) and five blocks of 4 warps
-// (narrow, 96 registers: from a few tokens on, 20 warps an SM that sync in fours hide the dequantization's latency
-// better: alone on K2 TP8 shapes 9-16% less time than the wide form from 4 to 192 tokens, 8% more at one token).
-// Launch: grid min(max_passes * I / 16, BLOCKS * SMs), block 32 * WARPS, the partial tiles' WARPS * 1 KB and the
-// rings' WARPS * DEPTH * 32 * SK_UP_PIECE_BYTES of dynamic shared memory; H % 128 == 0, group 32. h rows are natural
+// chunks (warp w: chunks w, w + WARPS, ...) and sum their partial tiles in shared memory at the item's end. A warp's
+// chunks, over the block's items one after another, are one stream: each lane loads its 16-byte weight pieces, their
+// scales and its x pieces straight into registers AHEAD chunks ahead of their math (volatile loads: ptxas keeps them
+// ahead of the mma's), so the stream runs on into the next item across the epilogue's barriers. Every warp takes
+// ceil(chunks / WARPS) positions an item (past its last chunk it loads that chunk again and adds nothing), so the
+// barriers are uniform. Lanes past the pass's rows load its last row's x (that row's lane's addresses: no more
+// traffic); their columns are not stored. (A cp.async ring in shared memory was 8-13% slower alone at 4-65 tokens:
+// its 4-byte scale copies alone cost ~15% of a plain read of the bytes.)
+// Forms (WARPS, BLOCKS resident per SM, AHEAD), chosen by items per SM in w4a16_moe.py: (16, 1, 1) for a token's
+// ~one item an SM, (4, 4, 1) from a few, (4, 3, 2) from many (fewer warps, twice the loads in flight each).
+// Launch: grid min(max_passes * I / 16, BLOCKS * SMs), block 32 * WARPS; H % 128 == 0, group 32. h rows are natural
 // k order.
-#define SK_UP_PIECE_BYTES 80  // a lane's slot: 4 weight pieces (16 B) and 4 scale pairs (4 B)
-template <int WARPS, int DEPTH>
-__device__ __forceinline__ void moe_up_skinny_ring(
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) {  // 16 bytes through L1, issued where written
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ __nv_bfloat16 ld_bf16(const __nv_bfloat16* p) {  // issued where written
+  unsigned short v;
+  asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return __ushort_as_bfloat16(v);
+}
+
+template <int WARPS, int AHEAD>
+__device__ __forceinline__ void moe_up_skinny(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
     const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
     __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {
   static_assert(WARPS >= 4, "the epilogue's 128 threads sum the partial tiles");
-  extern __shared__ __align__(16) unsigned char sk_smem[];
-  float(*part)[2][4][32] = reinterpret_cast<float(*)[2][4][32]>(sk_smem);  // [WARPS]: the warps' partial tiles
-  const int tiles = I / 16, items = passes[0].x * tiles;
+  __shared__ float part[WARPS][2][4][32];  // the warps' partial tiles
+  const int tiles = I / 16, items = passes[0].x * tiles, G = gridDim.x;
   if ((int)blockIdx.x >= items) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-  const int groups = H / 32, chunks = H / 128, N = 2 * I;
+  const int groups = H / 32, chunks = H / 128, N = 2 * I, per_item = (chunks + WARPS - 1) / WARPS;
   const u32 row_stride = tiled ? 2 : groups;  // pieces between consecutive weight rows (skinny_row)
-  // The lane's slot s of the ring: pieces at [s][q][lane] (16 B), scale pairs after them at [s][q][lane] (4 B).
-  const unsigned char* ring_p =
-      sk_smem + sizeof(float) * WARPS * 2 * 4 * 32 + warp * DEPTH * 32 * SK_UP_PIECE_BYTES;
-  const u32 ring = smem_addr(ring_p);
-  auto pass_of = [&](int it) { return it < items ? passes[1 + it / tiles] : make_int4(0, 0, 0, 0); };
+  const uint4* wq = reinterpret_cast<const uint4*>(w13_packed);
+  // An item's pass (expert 0, no rows past the items) and the slot of its row r (of its last row past its rows, slot
+  // 0 past the items: every lane loads from real rows, and the columns past the rows are not stored). Both are read
+  // an item or two before they are used, so that no warp waits on them at an item's start.
+  auto pass_at = [&](int it) { return it < items ? passes[1 + it / tiles] : make_int4(0, 0, 0, 0); };
+  auto slot_of = [&](int4 p) { return p.z > 0 ? sorted_slot[p.y + min(r, p.z - 1)] : 0; };
 
-  // Issue side: the next chunk to copy (item, chunk, group-0 piece of its gate row c0 + r) and the pass of the item
-  // after it, read ahead.
-  int i_item = blockIdx.x, i_ch = warp;
-  int4 i_next = pass_of(i_item + gridDim.x);
-  u32 i_w0 = skinny_row(passes[1 + i_item / tiles].x, i_item % tiles * 16 + r, N, groups, tiled);
-  auto issue = [&](int pos) {  // copy the issue side's chunk into slot pos % DEPTH (nothing past the stream) and step
-    const u32 slot = ring + (pos % DEPTH) * 32 * SK_UP_PIECE_BYTES;
-    if (i_item < items && i_ch < chunks) {
-      const int g = 4 * i_ch + c;
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const u32 row = i_w0 + (u32)(m * I + 8 * hh) * row_stride;
-          cp_async16(slot + ((2 * m + hh) * 32 + lane) * 16, w13_packed + 4 * (row + skinny_group(g, N, tiled)), true);
-          cp_async4(slot + 32 * 64 + ((2 * m + hh) * 32 + lane) * 4, w13_scale + row + skinny_group(g & ~1, N, tiled),
-                    true);
-        }
-      i_ch += WARPS;
-      if (i_ch >= chunks) {  // on to the block's next item
-        i_item += gridDim.x;
-        i_ch = warp;
-        i_w0 = skinny_row(i_next.x, i_item % tiles * 16 + r, N, groups, tiled);
-        i_next = pass_of(i_item + gridDim.x);
-      }
-    }
-    cp_async_commit();
+  // Issue side: the item and position of the next chunk to load, the piece index of its gate row c0 + r and the x
+  // row of lane row r (slot_of); the next item's pass and slot, the one after's pass.
+  int i_item = blockIdx.x, i_pos = 0;
+  u32 i_w0;
+  const uint4* i_xr;
+  auto start_item = [&](int4 p, int slot) {
+    i_w0 = skinny_row(p.x, i_item % tiles * 16 + r, N, groups, tiled);
+    i_xr = reinterpret_cast<const uint4*>(x) + (size_t)(slot / k) * (H / 8);
   };
-
-  // Compute side: the item's rows and the lane's x row, x one chunk ahead.
-  struct Item {
-    int row0, rows, c0;
-    const uint4* xr;  // x row of the pass's row r (null past rows)
+  const int4 pass0 = pass_at(i_item);
+  start_item(pass0, slot_of(pass0));
+  int4 i_pass1 = pass_at(i_item + G), i_pass2 = pass_at(i_item + 2 * G);
+  int i_slot1 = slot_of(i_pass1);
+  struct Chunk {
+    uint4 w[2][2], x[4];  // weight pieces of rows (gate, up) x (r, r + 8); x pieces of row r
+    __nv_bfloat16 s[2][2];
   };
-  auto setup = [&](int it, Item& s) {
-    const int4 pass = passes[1 + it / tiles];
-    s.row0 = pass.y;
-    s.rows = pass.z;
-    s.c0 = it % tiles * 16;
-    s.xr = r < s.rows ? reinterpret_cast<const uint4*>(x) + (size_t)(sorted_slot[s.row0 + r] / k) * (H / 8) : nullptr;
-  };
-  auto load_x = [&](const Item& s, int ch, uint4* x_) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      x_[q] = s.xr != nullptr && ch < chunks ? __ldg(s.xr + 4 * (4 * ch + c) + q) : make_uint4(0u, 0u, 0u, 0u);
-  };
-  int item = blockIdx.x, pos = 0;
-  Item cur, nxt;
-  setup(item, cur);
-  nxt = cur;
-  uint4 xv[4];
-  load_x(cur, warp, xv);
-#pragma unroll
-  for (int p = 0; p < DEPTH - 1; ++p) issue(p);
-  while (true) {
-    const int next_item = item + gridDim.x;
-    const bool has_next = next_item < items;
-    if (has_next) setup(next_item, nxt);
-    float acc[2][4] = {};
-    for (int ch = warp; ch < chunks; ch += WARPS, ++pos) {
-      uint4 xn[4];
-      if (ch + WARPS < chunks)
-        load_x(cur, ch + WARPS, xn);
-      else
-        load_x(nxt, has_next ? warp : chunks, xn);
-      cp_async_wait<DEPTH - 2>();  // this chunk's copies have landed (each lane reads only its own)
-      issue(pos + DEPTH - 1);       // into the slot the previous chunk was read from
-      const unsigned char* slot = ring_p + (pos % DEPTH) * 32 * SK_UP_PIECE_BYTES;
-      uint4 w[2][2];
-      __nv_bfloat16 sc[2][2];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          w[m][hh] = *reinterpret_cast<const uint4*>(slot + ((2 * m + hh) * 32 + lane) * 16);
-          sc[m][hh] = reinterpret_cast<const __nv_bfloat16*>(slot + 32 * 64 + ((2 * m + hh) * 32 + lane) * 4)[c & 1];
-        }
-      skinny_chunk<2>(acc, w, sc, xv);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) xv[q] = xn[q];
-    }
+  auto issue = [&](Chunk& b) {  // load the issue side's chunk (past the warp's chunks, its last again) and step
+    const int g = 4 * min(warp + i_pos * WARPS, chunks - 1) + c;
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) part[warp][m][i][lane] = acc[m][i];
-    __syncthreads();
-    if (threadIdx.x < 128) {  // C element i of lane l: tile row (l >> 2) + 8 (i >> 1), column 2 (l & 3) + (i & 1)
-      const int l = threadIdx.x & 31, i = threadIdx.x >> 5, n = 2 * (l & 3) + (i & 1);
-      float g = 0.f, u = 0.f;
-#pragma unroll
-      for (int v = 0; v < WARPS; ++v) {
-        g += part[v][0][i][l];
-        u += part[v][1][i][l];
+      for (int hh = 0; hh < 2; ++hh) {
+        const u32 piece = i_w0 + (u32)(m * I + 8 * hh) * row_stride + skinny_group(g, N, tiled);
+        b.w[m][hh] = ld_stream(wq + piece);
+        b.s[m][hh] = ld_bf16(w13_scale + piece);
       }
-      if (n < cur.rows)
-        h[(size_t)(cur.row0 + n) * I + cur.c0 + (l >> 2) + 8 * (i >> 1)] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) b.x[q] = ld_nc(i_xr + 4 * g + q);
+    if (++i_pos == per_item) {
+      i_pos = 0;
+      i_item += G;
+      start_item(i_pass1, i_slot1);
+      i_pass1 = i_pass2;
+      i_slot1 = slot_of(i_pass2);
+      i_pass2 = pass_at(i_item + 2 * G);
     }
-    if (!has_next) break;
-    __syncthreads();  // part is rewritten by the next item
-    item = next_item;
-    cur = nxt;
+  };
+
+  Chunk buf[AHEAD + 1];
+#pragma unroll
+  for (int a = 0; a < AHEAD; ++a) issue(buf[a]);
+  int item = blockIdx.x, pos = 0;  // compute side: its item, position and pass; the next item's pass
+  int4 pass = pass0, next_pass = pass_at(item + G);
+  float acc[2][4] = {};
+  while (true) {
+#pragma unroll
+    for (int u = 0; u <= AHEAD; ++u) {  // position u of AHEAD + 1 sits in buf[u]
+      issue(buf[(u + AHEAD) % (AHEAD + 1)]);
+      if (warp + pos * WARPS < chunks) skinny_chunk<2>(acc, buf[u].w, buf[u].s, buf[u].x);
+      if (++pos == per_item) {  // the item's last position: sum the warps' tiles, write h
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            part[warp][m][i][lane] = acc[m][i];
+            acc[m][i] = 0.f;
+          }
+        __syncthreads();
+        if (threadIdx.x < 128) {  // C element i of lane l: tile row (l >> 2) + 8 (i >> 1), column 2 (l & 3) + (i & 1)
+          const int l = threadIdx.x & 31, i = threadIdx.x >> 5, n = 2 * (l & 3) + (i & 1);
+          float g = 0.f, up = 0.f;
+#pragma unroll
+          for (int v = 0; v < WARPS; ++v) {
+            g += part[v][0][i][l];
+            up += part[v][1][i][l];
+          }
+          if (n < pass.z)
+            h[(size_t)(pass.y + n) * I + item % tiles * 16 + (l >> 2) + 8 * (i >> 1)] =
+                __float2bfloat16(g / (1.f + __expf(-g)) * up);
+        }
+        item += G;
+        if (item >= items) break;
+        __syncthreads();  // part is rewritten by the next item
+        pos = 0;
+        pass = next_pass;
+        next_pass = pass_at(item + G);
+      }
+    }
+    if (item >= items) return;
   }
-  cp_async_wait<0>();
 }
-#define MOE_UP_SKINNY(WARPS, BLOCKS, DEPTH)                                                                        \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) moe_up_skinny_w##WARPS##_d##DEPTH(             \
+#define MOE_UP_SKINNY(WARPS, BLOCKS, AHEAD)                                                                        \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) moe_up_skinny_w##WARPS##_b##BLOCKS##_a##AHEAD(      \
       const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,                                     \
       const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot,                           \
       const int4* __restrict__ passes, __nv_bfloat16* __restrict__ h, int k, int H, int I, int tiled) {            \
     griddep_begin();                                                                                               \
-    moe_up_skinny_ring<WARPS, DEPTH>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);          \
+    moe_up_skinny<WARPS, AHEAD>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);               \
   }
-MOE_UP_SKINNY(16, 1, 2)  // wide; the ring of depth 3 needs 139 KB of shared memory
-MOE_UP_SKINNY(16, 1, 3)
-MOE_UP_SKINNY(4, 5, 3)  // narrow
+MOE_UP_SKINNY(16, 1, 1)  // 122 registers each
+MOE_UP_SKINNY(4, 4, 1)
+MOE_UP_SKINNY(4, 3, 2)  // 158 registers
 
 // Down: acc[token, n] += topk_weight * (W2[e] h)[n] for the pass's rows; per item (pass, tile of 256 outputs) warp
 // w owns output rows n0 = 256 tile + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through
