@@ -67,9 +67,9 @@ SKINNY = "skinny"  # the swapped-operand path: passes of SKINNY_ROWS rows, H and
 SKINNY_ROWS = 8
 # moe_up_skinny_w<warps>_b<blocks>_a<ahead> by items (pass, column tile) per SM: (from items per SM, warps, blocks
 # resident per SM, chunks each warp loads ahead). One token's ~one item an SM takes 16 warps a block; from a few, 4;
-# from many, 4 in 3 blocks with twice the loads in flight (H200, K2 TP8, alone: 1.31-1.45x -> 1.14-1.24x of the
-# bytes' time from 16 to 65 tokens against session 23's cp.async ring; at 4 tokens the second form 1.38x, the
-# third 1.66x).
+# from many, 4 in 3 blocks with twice the loads in flight (H200, K2 TP8, alone: 1.31-1.45x -> 1.19-1.30x of the
+# bytes' time from 16 to 65 tokens against session 23's cp.async ring; at 4 tokens the second form 1.45x, the
+# third 1.73x; at 8 they tie).
 SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
 SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (74 registers)

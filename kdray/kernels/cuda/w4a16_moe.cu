@@ -427,8 +427,8 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 // ahead of the mma's), so the stream runs on into the next item across the epilogue's barriers. Every warp takes
 // ceil(chunks / WARPS) positions an item (past its last chunk it loads that chunk again and adds nothing), so the
 // barriers are uniform. Lanes past the pass's rows load its last row's x (that row's lane's addresses: no more
-// traffic); their columns are not stored. (A cp.async ring in shared memory was 8-13% slower alone at 4-65 tokens:
-// its 4-byte scale copies alone cost ~15% of a plain read of the bytes.)
+// traffic); their columns are not stored. (A cp.async ring in shared memory took 13-17% more time alone at 4-65
+// tokens: its 4-byte scale copies alone cost ~15% of a plain read of the bytes.)
 // Forms (WARPS, BLOCKS resident per SM, AHEAD), chosen by items per SM in w4a16_moe.py: (16, 1, 1) for a token's
 // ~one item an SM, (4, 4, 1) from a few, (4, 3, 2) from many (fewer warps, twice the loads in flight each).
 // Launch: grid min(max_passes * I / 16, BLOCKS * SMs), block 32 * WARPS; H % 128 == 0, group 32. h rows are natural
