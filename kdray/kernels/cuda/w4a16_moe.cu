@@ -368,6 +368,17 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) {  // 16 bytes through L1, issued where written
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ __nv_bfloat16 ld_bf16(const __nv_bfloat16* p) {  // issued where written
+  unsigned short v;
+  asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return __ushort_as_bfloat16(v);
+}
+
 // B fragment of k-step 2q + j of a chunk from the lane's 16-byte piece q of its B row:
 // (k 2j, 2j + 4) and (2j + 1, 2j + 5) of the piece.
 __device__ __forceinline__ void b_frag(uint4 v, int j, u32& b0, u32& b1) {
@@ -433,17 +444,6 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 // ~one item an SM, (4, 4, 1) from a few, (4, 3, 2) from many (fewer warps, twice the loads in flight each).
 // Launch: grid min(max_passes * I / 16, BLOCKS * SMs), block 32 * WARPS; H % 128 == 0, group 32. h rows are natural
 // k order.
-__device__ __forceinline__ uint4 ld_nc(const uint4* p) {  // 16 bytes through L1, issued where written
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ __nv_bfloat16 ld_bf16(const __nv_bfloat16* p) {  // issued where written
-  unsigned short v;
-  asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
-  return __ushort_as_bfloat16(v);
-}
-
 template <int WARPS, int AHEAD>
 __device__ __forceinline__ void moe_up_skinny(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
@@ -508,7 +508,7 @@ __device__ __forceinline__ void moe_up_skinny(
   int item = blockIdx.x, pos = 0;  // compute side: its item, position and pass; the next item's pass
   int4 pass = pass0, next_pass = pass_at(item + G);
   float acc[2][4] = {};
-  while (true) {
+  while (item < items) {
 #pragma unroll
     for (int u = 0; u <= AHEAD; ++u) {  // position u of AHEAD + 1 sits in buf[u]
       issue(buf[(u + AHEAD) % (AHEAD + 1)]);
@@ -542,7 +542,6 @@ __device__ __forceinline__ void moe_up_skinny(
         next_pass = pass_at(item + G);
       }
     }
-    if (item >= items) return;
   }
 }
 #define MOE_UP_SKINNY(WARPS, BLOCKS, AHEAD)                                                                        \
