@@ -72,7 +72,7 @@ SKINNY_ROWS = 8
 # third 1.73x; at 8 they tie).
 SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
-SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (74 registers)
+SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (80 registers)
 SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
 # Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> (warpgroups along M of the down

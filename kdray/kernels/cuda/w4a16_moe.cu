@@ -373,6 +373,11 @@ __device__ __forceinline__ uint4 ld_nc(const uint4* p) {  // 16 bytes through L1
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+__device__ __forceinline__ int ld_s32(const int* p) {  // issued where written
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ __nv_bfloat16 ld_bf16(const __nv_bfloat16* p) {  // issued where written
   unsigned short v;
   asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
@@ -560,7 +565,7 @@ MOE_UP_SKINNY(4, 3, 2)  // 158 registers
 // w owns output rows n0 = 256 tile + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through
 // shared memory so a lane adds 4 consecutive outputs of one row with one red.global.add.v4.f32. The blocks resident
 // on an SM hide each other's latencies.
-// Launch: grid min(max_passes * ceil(H / 256), 3 SMs) (74 registers: three blocks of 8 warps fit an SM), block
+// Launch: grid min(max_passes * ceil(H / 256), 3 SMs) (80 registers: three blocks of 8 warps fit an SM), block
 // 32 * SK_DOWN_WARPS; H % 16 == 0, I % 128 == 0, group 32.
 extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
     const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
@@ -572,18 +577,26 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
   const int groups = I / 32, chunks = I / 128;
   const uint4* wq = reinterpret_cast<const uint4*>(w2_packed);
+  // Items pass-fastest (the blocks at work share a tile of outputs). A block reads its next item's pass while it works
+  // on this one, and a lane its row's slot before the weights (volatile, so it is issued there): neither an item's
+  // weight loads nor its reduction wait on a read that could have been made earlier.
+  const int n = lane & 7, quad = lane >> 3;  // reduction: lane l adds outputs 4 quad .. + 3 of the tile for pass row n
+  int4 pass_next = blockIdx.x < items ? passes[1 + blockIdx.x % n_pass] : make_int4(0, 0, 0, 0);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int4 pass = passes[1 + item % n_pass];  // passes first: the blocks at work share a tile of outputs
+    const int4 pass = pass_next;
+    if (item + gridDim.x < items) pass_next = passes[1 + (item + gridDim.x) % n_pass];
     const int e = pass.x, row0 = pass.y, rows = pass.z;
     const int n0 = item / n_pass * 32 * SK_DOWN_WARPS + 32 * warp;
     if (n0 < H) {
+      const int slot = n < rows ? ld_s32(sorted_slot + row0 + n) : -1;
       const bool tile1 = n0 + 16 < H;
       u32 wrow[2][2];  // as in moe_up_skinny; rows past H (a half block) are never loaded
 #pragma unroll
       for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(e, n0 + r + 16 * m + 8 * hh, H, groups, tiled);
-      const uint4* hr = r < rows ? reinterpret_cast<const uint4*>(h) + (size_t)(row0 + r) * (I / 8) : nullptr;
+      // h row of lane row r (of the pass's last row past its rows: its columns are not added)
+      const uint4* hr = reinterpret_cast<const uint4*>(h) + (size_t)(row0 + min(r, rows - 1)) * (I / 8);
       float acc[2][4] = {};
 #pragma unroll 2
       for (int ch = 0; ch < chunks; ++ch) {
@@ -594,23 +607,17 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
         for (int m = 0; m < 2; ++m)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
+            const u32 piece = wrow[m][hh] + skinny_group(g, H, tiled);
             const bool ok = m == 0 || tile1;
-            w[m][hh] = ok ? ld_stream(wq + wrow[m][hh] + skinny_group(g, H, tiled)) : make_uint4(0u, 0u, 0u, 0u);
-            sc[m][hh] = ok ? w2_scale[wrow[m][hh] + skinny_group(g, H, tiled)] : __float2bfloat16(0.f);
+            w[m][hh] = ok ? ld_stream(wq + piece) : make_uint4(0u, 0u, 0u, 0u);
+            sc[m][hh] = ok ? ld_bf16(w2_scale + piece) : __float2bfloat16(0.f);
           }
 #pragma unroll
-        for (int q = 0; q < 4; ++q) xv[q] = hr != nullptr ? __ldg(hr + 4 * g + q) : make_uint4(0u, 0u, 0u, 0u);
+        for (int q = 0; q < 4; ++q) xv[q] = ld_nc(hr + 4 * g + q);
         skinny_chunk<2>(acc, w, sc, xv);
       }
-      // Lane l adds outputs 4 (l >> 3) .. + 3 of the tile for pass row l & 7.
-      const int n = lane & 7, quad = lane >> 3;
-      int token = -1;
-      float wgt = 0.f;
-      if (n < rows) {
-        const int slot = sorted_slot[row0 + n];
-        token = slot / k;
-        wgt = topk_weights[slot];
-      }
+      const int token = slot >= 0 ? slot / k : -1;
+      const float wgt = slot >= 0 ? topk_weights[slot] : 0.f;
       float* t = tile[warp];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
