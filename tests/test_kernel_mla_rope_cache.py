@@ -4,7 +4,7 @@ import torch
 from gpu_checks import poison_allocator
 
 from kdray.config import YarnScaling
-from kdray.kernels.mla_rope_cache import mla_rope_cache, mla_rope_cache_reference
+from kdray.kernels.mla_rope_cache import ABSORB_MAX_T, mla_rope_cache, mla_rope_cache_reference
 from kdray.model.layers import RMSNorm, Rotary
 
 
@@ -53,6 +53,13 @@ def test_shape_errors_are_clear():
         mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache[:, :39], slots)
     with pytest.raises(ValueError, match="cos"):
         mla_rope_cache(kv_a, weight, 1e-6, cos[:2], sin, q[..., 128:], q[..., 128:], cache, slots)
+    w_uk = torch.zeros(2, 128, 32)
+    q_latent = torch.zeros(3, 2, 32)
+    with pytest.raises(ValueError, match="together"):
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots, w_uk=w_uk)
+    with pytest.raises(ValueError, match="w_uk"):
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots, q_nope=q[..., :128],
+                       w_uk=w_uk[:, :64], q_latent=q_latent)
 
 
 CASES = [  # T, H, L, R, dtype
@@ -99,3 +106,41 @@ def test_cuda_skips_slots_outside_the_cache():
     mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots)
     assert cache[0].abs().sum() > 0 and cache[3].abs().sum() > 0
     assert torch.equal(cache[[1, 2, 4, 5, 6, 7]], torch.zeros(6, 576, dtype=torch.bfloat16, device="cuda"))
+
+
+def absorb_inputs(T, H, nope, L, dtype, seed):
+    """q_nope and w_uk as the K2 layer passes them: views of q_b_proj's output and of kv_b_proj's weight."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    q = torch.randn(T, H, nope + 64, device="cuda", generator=g).to(dtype)
+    kv_b = (torch.randn(H * (nope + 128), L, device="cuda", generator=g) / nope ** 0.5).to(dtype)
+    return q[..., :nope], kv_b.view(H, nope + 128, L)[:, :nope]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,nope,L,dtype", [
+    (1, 8, 128, 512, torch.bfloat16),  # K2 TP8 decode
+    (9, 8, 128, 512, torch.bfloat16),  # two token groups, the second of one token
+    (ABSORB_MAX_T, 8, 128, 512, torch.bfloat16),
+    (ABSORB_MAX_T + 1, 8, 128, 512, torch.bfloat16),  # cuBLAS's batched GEMM
+    (37, 4, 16, 32, torch.float32),  # k2-tiny: half a column block
+    (11, 3, 128, 96, torch.float16),  # a column block's last two warps past L
+])
+def test_cuda_absorbed_queries(T, H, nope, L, dtype):
+    """The absorbed queries written into the attention's query buffer beside the roped ones, against an fp64 GEMM
+    (fp32 sums, one rounding: within a rounding step of the output's dtype)."""
+    R = 64 if L >= 64 else 8
+    _, cos, sin, kv_a, weight, _, slots = inputs(T, H, L, R, 4 * T + 5, dtype, "cuda", T)
+    q_nope, w_uk = absorb_inputs(T, H, nope, L, dtype, T)
+    q_pe = torch.randn(T, H, R, device="cuda").to(dtype)
+    cache = torch.zeros(4 * T + 5, L + R, dtype=dtype, device="cuda")
+    poison_allocator()
+    q_attn = torch.full((T, H, L + R), float("nan"), dtype=dtype, device="cuda")  # [T, H, latent | rope]
+    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q_pe, q_attn[..., L:], cache, slots, q_nope=q_nope, w_uk=w_uk,
+                   q_latent=q_attn[..., :L])
+    want = torch.einsum("thn,hnl->thl", q_nope.double(), w_uk.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(q_attn[..., :L].double(), want, **tol)
+    ref_q = torch.empty(T, H, R, dtype=torch.float32, device="cuda")
+    mla_rope_cache_reference(kv_a.float(), weight.float(), 1e-6, cos.float(), sin.float(), q_pe.float(), ref_q,
+                             cache.float().clone(), slots)
+    torch.testing.assert_close(q_attn[..., L:].float(), ref_q, rtol=2 ** -7, atol=1e-3)

@@ -273,6 +273,7 @@ ROUTED_SHAPES = [  # T, E, k, n_group, topk_group, local experts (e0, n): routin
     (1, 384, 8, 1, 1, None),  # K2 decode
     (2, 384, 8, 1, 1, None),
     (3, 256, 8, 8, 4, None),  # up to 32 slots: one warp sorts them
+    (4, 8, 8, 1, 1, None),  # ... over fewer experts than slots (the warp's scratch is 32 ints)
     (4, 384, 8, 1, 1, (96, 96)),  # ... with the other ranks' experts dropped
     (7, 256, 8, 8, 4, None),  # DeepSeek-V3 groups
     (16, 384, 8, 1, 1, (96, 96)),  # expert parallelism: rank 1 of 4

@@ -428,8 +428,9 @@ def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
                (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=x.device)
     else:
         args, defines, group_scratch = routing
+        # shared memory: the routed ids, then the block sort's 2E ints, the warp sort's 32 or the group scratch
         launch("moe_route", "moe_route_prep", (1 + perm_blocks,), (1024,), (*args, *prep, i32(H), i32(mt)),
-               shared_mem=4 * T * k + max(8 * E, group_scratch), device=x.device, defines=defines)
+               shared_mem=4 * T * k + max(8 * E, 128, group_scratch), device=x.device, defines=defines)
 
 
 def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,

@@ -5,9 +5,9 @@ over the batch's prompts on a GPU); verify steps run the absorbed
 form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
-roped key into the cache and ropes the queries, the absorbed projections are two batched GEMMs over
-``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
-experts at few tokens, part of the MoE's first kernel).
+roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, the absorbed
+projections are otherwise batched GEMMs over ``[heads, T, *]`` views (no copies), routing is one kernel after a
+bf16 router GEMM with fp32 output (for INT4 experts at few tokens, part of the MoE's first kernel).
 """
 from __future__ import annotations
 
@@ -87,12 +87,12 @@ class MLAttention(nn.Module):
         else:
             q_attn = torch.empty(T, self.heads, c.kv_cache_dim, dtype=q.dtype, device=q.device)  # [T, Hl, L + rope]
             w_uk, w_uv = self._absorbed_weights()
-            # [Hl, T, nope] x [Hl, nope, kv_lora] -> [Hl, T, kv_lora], written into q_attn's latent part
-            torch.bmm(q[..., :nope].transpose(0, 1), w_uk, out=q_attn[..., :L].transpose(0, 1))
-            # After the GEMM, so that the attention's copies of the prefix overlap this kernel (early_prefix: only
-            # the tree's rows are written in a pass)
+            # The cache rows, the roped queries and the absorbed ones ([Hl, T, nope] x [Hl, nope, kv_lora] into
+            # q_attn's latent part) in one launch just ahead of the attention, whose copies of the prefix overlap it
+            # (early_prefix: only the tree's rows are written in a pass)
             mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q[..., nope:],
-                           q_attn[..., L:], rows, batch.slot_mapping)
+                           q_attn[..., L:], rows, batch.slot_mapping, q_nope=q[..., :nope], w_uk=w_uk,
+                           q_latent=q_attn[..., :L])
             o_latent = mla_tree_attention(q_attn, cache, batch.block_table, batch.prefix_lens, batch.cu_q,
                                           batch.tree_mask, c.softmax_scale, L, early_prefix=True)  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]

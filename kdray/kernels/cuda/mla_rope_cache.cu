@@ -4,9 +4,68 @@
 // rope (DeepSeek, interleaved pairs, de-interleaved output as HF writes it): for pair p < R/2,
 // y[p] = x[2p] cos[t, p] - x[2p+1] sin[t, p], y[R/2 + p] = x[2p+1] cos[t, p] + x[2p] sin[t, p].
 // A slot outside [0, n_rows) writes no cache row.
-// Launch: grid (T), block (128); R even, R / 2 <= 32 (a warp ropes one row: all its reads precede its writes).
+// With w_uk, blocks T.. of the grid also write the absorbed queries, q_lat[t, h] = q_nope[t, h] w_uk[h]
+// (absorb_queries), so that no GEMM launch of its own sits between q_b_proj and the attention.
+// Launch: grid (T + absorb blocks), block (128); R even, R / 2 <= 32 (a warp ropes one row: all its reads precede its
+// writes).
 #include "dtype.cuh"
 #include "griddep.cuh"
+
+#ifndef NOPE
+#define NOPE 128  // query-key dims without rope, a multiple of 16
+#endif
+#define ABSORB_TOKENS 8  // tokens per absorb block (ABSORB_TOKENS in kernels/mla_rope_cache.py)
+
+struct __align__(16) vec8 {
+  elem_t v[8];
+};
+
+// Absorb block j: head h, 64 columns of L from c0, tokens ABSORB_TOKENS tg ... Warp w takes columns c0 + 16 w .. + 16;
+// lane 2 g + half holds rows g NOPE/16 .. + NOPE/16 of w_uk[h] at columns + 8 half .. + 8, read before the wait
+// (a weight: final before the pass began), and the 16 lanes of a column group add their partial sums by shuffles.
+// fp32 sums, one rounding. L % 16 == 0, 16-byte aligned rows and column groups.
+__device__ __forceinline__ void absorb_queries(const elem_t* __restrict__ q_nope, long long n_tok, long long n_head,
+                                               const elem_t* __restrict__ w_uk, long long w_head,
+                                               elem_t* __restrict__ q_lat, long long l_tok, long long l_head, int T,
+                                               int H, int L, int j) {
+  constexpr int KR = NOPE / 16;
+  const int col_blocks = (L + 63) / 64, h = j / col_blocks % H, tg = j / (col_blocks * H);
+  const int lane = threadIdx.x & 31, g = lane >> 1;
+  const int c = j % col_blocks * 64 + 16 * (threadIdx.x >> 5) + 8 * (lane & 1);
+  griddep_launch_dependents();
+  if (c >= L) {  // whole warps: L % 16 == 0
+    griddep_wait();
+    return;
+  }
+  vec8 w[KR];
+#pragma unroll
+  for (int r = 0; r < KR; ++r)
+    w[r] = *reinterpret_cast<const vec8*>(w_uk + h * w_head + (long long)(g * KR + r) * L + c);
+  griddep_wait();
+#pragma unroll
+  for (int i = 0; i < ABSORB_TOKENS; ++i) {
+    const int t = tg * ABSORB_TOKENS + i;
+    if (t >= T) break;
+    const elem_t* qn = q_nope + t * n_tok + h * n_head + g * KR;
+    float acc[8] = {};
+#pragma unroll
+    for (int r = 0; r < KR; ++r) {
+      const float q = to_f(qn[r]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(q, to_f(w[r].v[e]), acc[e]);
+    }
+#pragma unroll
+    for (int o = 2; o < 32; o <<= 1)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+    if (g == 0) {
+      vec8 out;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out.v[e] = to_t(acc[e]);
+      *reinterpret_cast<vec8*>(q_lat + t * l_tok + h * l_head + c) = out;
+    }
+  }
+}
 
 extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long long kv_stride,  // [T, L + R]
                                           const elem_t* __restrict__ weight,                    // [L]
@@ -15,7 +74,16 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
                                           elem_t* q_out, long long o_tok, long long o_head,        // [T, H, R]
                                           elem_t* __restrict__ cache, long long n_rows,           // [n_rows, L + R]
                                           const long long* __restrict__ slots,                    // [T]
-                                          int H, int L, int R, float eps) {
+                                          int H, int L, int R, float eps,
+                                          const elem_t* __restrict__ q_nope, long long n_tok,  // [T, H, NOPE]
+                                          long long n_head,
+                                          const elem_t* __restrict__ w_uk, long long w_head,     // [H, NOPE, L]
+                                          elem_t* __restrict__ q_lat, long long l_tok, long long l_head,  // [T, H, L]
+                                          int T) {
+  if (blockIdx.x >= T) {
+    absorb_queries(q_nope, n_tok, n_head, w_uk, w_head, q_lat, l_tok, l_head, T, H, L, blockIdx.x - T);
+    return;
+  }
   griddep_begin();
   const long long t = blockIdx.x;
   const long long slot = slots[t];
