@@ -27,7 +27,8 @@ from kdray.kernels.rmsnorm import DTYPES, rmsnorm_reference
 from kdray.kernels.rope import rope_reference
 
 MAX_ROPE_DIM = 64  # a warp ropes one row: R / 2 pairs <= 32 lanes
-ABSORB_MAX_T = 64  # tokens whose absorbed queries the launch writes (H200, K2 TP8: cuBLAS's GEMM takes ~3 us alone)
+ABSORB_MAX_T = 64  # tokens whose absorbed queries the launch writes (H200, K2 TP8: 3% less at one token, even
+# with cuBLAS's GEMM at 17-65; each block reads its 16 KB of W_UK again, so many more tokens would read it many times)
 ABSORB_TOKENS = 8  # tokens per absorb block (ABSORB_TOKENS in the .cu)
 
 
@@ -81,16 +82,18 @@ def mla_rope_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     if not kv_a.is_cuda:
         return mla_rope_cache_reference(kv_a, weight, eps, cos, sin, q_pe, q_out, cache_rows, slot_mapping, *absorb)
     _check_cuda(kv_a, weight, cos, sin, q_pe, q_out, cache_rows, slot_mapping, R)
-    fold = w_uk is not None and _absorb_fits(q_nope, w_uk, q_latent, kv_a.dtype)
+    fold = w_uk is not None and _absorb_fits(q_nope, w_uk, q_latent, kv_a)
     if w_uk is not None and not fold:
         absorb_queries_reference(q_nope, w_uk, q_latent)
     if not T:
         return
     H, i64 = q_pe.shape[1], np.int64
     absorb_blocks = H * -(-L // 64) * -(-T // ABSORB_TOKENS) if fold else 0
-    absorb_args = ((q_nope, i64(q_nope.stride(0)), i64(q_nope.stride(1)), w_uk, i64(w_uk.stride(0)), q_latent,
-                    i64(q_latent.stride(0)), i64(q_latent.stride(1))) if fold else (0, i64(0), i64(0), 0, i64(0), 0,
-                                                                                 i64(0), i64(0)))
+    if fold:
+        absorb_args = (q_nope, i64(q_nope.stride(0)), i64(q_nope.stride(1)), w_uk, i64(w_uk.stride(0)), q_latent,
+                       i64(q_latent.stride(0)), i64(q_latent.stride(1)))
+    else:  # null pointers (0), no strides
+        absorb_args = (0, i64(0), i64(0), 0, i64(0), 0, i64(0), i64(0))
     launch("mla_rope_cache", "mla_rope_cache", (T + absorb_blocks,), (128,),
            (kv_a, i64(kv_a.stride(0)), weight, cos, sin, q_pe, i64(q_pe.stride(0)), i64(q_pe.stride(1)), q_out,
             i64(q_out.stride(0)), i64(q_out.stride(1)), cache_rows, i64(cache_rows.shape[0]), slot_mapping,
@@ -108,12 +111,13 @@ def _check_absorb(q_nope, w_uk, q_latent, T, H, L):
                          f"{tuple(q_nope.shape)}, {tuple(w_uk.shape)}, {tuple(q_latent.shape)}")
 
 
-def _absorb_fits(q_nope, w_uk, q_latent, dtype) -> bool:
-    """Whether the launch writes the absorbed queries: few tokens, the kernel's dims, dtype and 16-byte layout."""
+def _absorb_fits(q_nope, w_uk, q_latent, kv_a) -> bool:
+    """Whether the launch writes the absorbed queries: few tokens, the kernel's dims, kv_a's dtype and device, a
+    16-byte layout."""
     size = q_nope.element_size()
     vectors = (w_uk.stride(0), w_uk.stride(1), q_latent.stride(0), q_latent.stride(1))  # in elements
     return (q_nope.shape[0] <= ABSORB_MAX_T and q_nope.shape[2] % 16 == 0 and w_uk.shape[2] % 16 == 0
-            and all(t.dtype == dtype and t.device == q_nope.device for t in (q_nope, w_uk, q_latent))
+            and all(t.dtype == kv_a.dtype and t.device == kv_a.device for t in (q_nope, w_uk, q_latent))
             and q_nope.stride(2) == 1 and w_uk.stride(2) == 1 and q_latent.stride(2) == 1
             and w_uk.stride(1) == w_uk.shape[2] and all(v * size % 16 == 0 for v in vectors)
             and w_uk.data_ptr() % 16 == 0 and q_latent.data_ptr() % 16 == 0)

@@ -20,10 +20,11 @@ struct __align__(16) vec8 {
   elem_t v[8];
 };
 
-// Absorb block j: head h, 64 columns of L from c0, tokens ABSORB_TOKENS tg ... Warp w takes columns c0 + 16 w .. + 16;
-// lane 2 g + half holds rows g NOPE/16 .. + NOPE/16 of w_uk[h] at columns + 8 half .. + 8, read before the wait
-// (a weight: final before the pass began), and the 16 lanes of a column group add their partial sums by shuffles.
-// fp32 sums, one rounding. L % 16 == 0, 16-byte aligned rows and column groups.
+// Absorb block j (blocks T.. of the grid): head h, 64 columns of L from c0 and ABSORB_TOKENS tokens from
+// ABSORB_TOKENS tg. Warp w takes columns c0 + 16 w .. + 16; lane 2 g + half holds rows g NOPE/16 .. + NOPE/16 of
+// w_uk[h] at columns + 8 half .. + 8, read before the dependency wait (a weight: final before the pass began), and the
+// 16 lanes of a column group add their partial sums by shuffles. fp32 sums, one rounding. L % 16 == 0, 16-byte
+// aligned rows and column groups.
 __device__ __forceinline__ void absorb_queries(const elem_t* __restrict__ q_nope, long long n_tok, long long n_head,
                                                const elem_t* __restrict__ w_uk, long long w_head,
                                                elem_t* __restrict__ q_lat, long long l_tok, long long l_head, int T,
