@@ -27,8 +27,9 @@ from kdray.kernels.rmsnorm import DTYPES, rmsnorm_reference
 from kdray.kernels.rope import rope_reference
 
 MAX_ROPE_DIM = 64  # a warp ropes one row: R / 2 pairs <= 32 lanes
-ABSORB_MAX_T = 64  # tokens whose absorbed queries the launch writes (H200, K2 TP8: 3% less at one token, even
-# with cuBLAS's GEMM at 17-65; each block reads its 16 KB of W_UK again, so many more tokens would read it many times)
+# Tokens whose absorbed queries the launch writes (H200, K2 TP8: 4% less at one token, even with cuBLAS's GEMM at
+# 17-65 tokens; each absorb block reads its 16 KB of W_UK again, so many more tokens would read it many times).
+ABSORB_MAX_T = 64
 ABSORB_TOKENS = 8  # tokens per absorb block (ABSORB_TOKENS in the .cu)
 
 
@@ -88,12 +89,12 @@ def mla_rope_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     if not T:
         return
     H, i64 = q_pe.shape[1], np.int64
-    absorb_blocks = H * -(-L // 64) * -(-T // ABSORB_TOKENS) if fold else 0
     if fold:
+        absorb_blocks = H * -(-L // 64) * -(-T // ABSORB_TOKENS)
         absorb_args = (q_nope, i64(q_nope.stride(0)), i64(q_nope.stride(1)), w_uk, i64(w_uk.stride(0)), q_latent,
                        i64(q_latent.stride(0)), i64(q_latent.stride(1)))
-    else:  # null pointers (0), no strides
-        absorb_args = (0, i64(0), i64(0), 0, i64(0), 0, i64(0), i64(0))
+    else:  # no absorb blocks: null pointers (0), no strides
+        absorb_blocks, absorb_args = 0, (0, i64(0), i64(0), 0, i64(0), 0, i64(0), i64(0))
     launch("mla_rope_cache", "mla_rope_cache", (T + absorb_blocks,), (128,),
            (kv_a, i64(kv_a.stride(0)), weight, cos, sin, q_pe, i64(q_pe.stride(0)), i64(q_pe.stride(1)), q_out,
             i64(q_out.stride(0)), i64(q_out.stride(1)), cache_rows, i64(cache_rows.shape[0]), slot_mapping,

@@ -22,6 +22,11 @@ __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ elem_t to_t(float v) { return __float2half_rn(v); }
 #endif
 
+// Eight elements, one 16-byte access in 16 bits (two in fp32).
+struct __align__(16) vec8 {
+  elem_t v[8];
+};
+
 // Sum over the block (any multiple of 32 threads up to 1024); every thread gets the total.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];

@@ -16,10 +16,6 @@
 #endif
 #define ABSORB_TOKENS 8  // tokens per absorb block (ABSORB_TOKENS in kernels/mla_rope_cache.py)
 
-struct __align__(16) vec8 {
-  elem_t v[8];
-};
-
 // Absorb block j (blocks T.. of the grid): head h, 64 columns of L from c0 and ABSORB_TOKENS tokens from
 // ABSORB_TOKENS tg. Warp w takes columns c0 + 16 w .. + 16; lane 2 g + half holds rows g NOPE/16 .. + NOPE/16 of
 // w_uk[h] at columns + 8 half .. + 8, read before the dependency wait (a weight: final before the pass began), and the

@@ -32,10 +32,6 @@ typedef elem_t out_t;
 __device__ __forceinline__ out_t to_out(float v) { return to_t(v); }
 #endif
 
-struct __align__(16) vec8 {
-  elem_t v[8];
-};
-
 // A weight vector: read once, so it skips L1 (ld.global.nc.L1::no_allocate).
 __device__ __forceinline__ vec8 load_stream(const elem_t* p) {
   int4 r;
