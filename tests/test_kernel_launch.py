@@ -123,15 +123,16 @@ def test_a_graph_of_dependent_launches_equals_eager(monkeypatch):
 
 @pytest.mark.gpu
 def test_48_kib_of_dynamic_shared_memory_beside_static_shared_memory():
-    """A kernel with static shared memory (skinny_linear's one-row kernel has a flag) launched with 48 KiB of
-    dynamic shared memory is past the default limit, though the dynamic part alone is not: the launch raises the
-    function's limit (before, it failed with an invalid argument). The kernel leaves dynamic memory unused."""
+    """A kernel with static shared memory (skinny_linear split over a cluster of 2 keeps its partial sums there)
+    launched with 48 KiB of dynamic shared memory is past the default limit, though the dynamic part alone is not:
+    the launch raises the function's limit (before, it failed with an invalid argument). The kernel leaves dynamic
+    memory unused."""
     N, K = 100, 512
     g = torch.Generator("cuda").manual_seed(0)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
     y = torch.full((1, N), float("nan"), device="cuda").bfloat16()
-    cuda_module.launch("skinny_linear", "skinny_linear", (-(-N // ROWS_PER_BLOCK), 1), (THREADS,),
-                       (x, w, y, y, y, np.int32(N), np.int32(K)), shared_mem=48 * 1024,
-                       defines=(("DTYPE", 1), ("M_ROWS", 1)))
+    cuda_module.launch("skinny_linear", "skinny_linear", (-(-N // ROWS_PER_BLOCK), 2), (THREADS,),
+                       (x, w, y, np.int32(N), np.int32(K), np.int32(N), np.int32(N)), shared_mem=48 * 1024,
+                       defines=(("DTYPE", 1), ("M_ROWS", 1), ("CLUSTER", 2)))
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2 ** -7, atol=2e-3)

@@ -1,10 +1,10 @@
-"""skinny_linear: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), with 16-bit and
-fp32 outputs, in and out of CUDA graphs, with the K split's tickets reused across launches."""
+"""skinny_linear and skinny_bmm: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), with
+16-bit and fp32 outputs, K split over clusters of 1 to 8 blocks, in and out of CUDA graphs."""
 import pytest
 import torch
 from gpu_checks import poison_allocator
 
-from kdray.kernels.skinny_linear import MAX_ROWS, fits, k_splits, skinny_linear
+from kdray.kernels.skinny_linear import MAX_ROWS, MAX_SPLIT, bmm_fits, fits, k_splits, skinny_bmm, skinny_linear
 
 
 def test_cpu_and_unsupported_inputs_run_f_linear():
@@ -22,8 +22,10 @@ def test_out_dtype_is_x_dtype_or_fp32():
         skinny_linear(x, w, out_dtype=torch.float16)
 
 
-def test_the_k_split_divides_k_and_fills_the_gpu_without_exceeding_its_waves():
-    assert k_splits(groups=24, steps=28, sm_count=132) == 14  # router: 384 rows of 16 a block, K 7168
+def test_the_k_split_divides_k_and_fills_the_gpu_within_its_waves_and_a_cluster():
+    assert k_splits(groups=24, steps=28, sm_count=132) == 7  # router: 384 rows of 16 a block, K 7168 (14 > 8)
+    assert k_splits(groups=64, steps=2, sm_count=132) == 2  # W_UV per head at one token: 8 x 128 rows, K 512
+    assert k_splits(groups=1, steps=64, sm_count=132) == MAX_SPLIT
     assert k_splits(groups=132, steps=28, sm_count=132) == 4  # a_proj: q_a and kv_a, 2112 rows
     assert k_splits(groups=96, steps=6, sm_count=132) == 3  # q_b: 1536 rows, K 1536
     assert k_splits(groups=448, steps=4, sm_count=132) == 1  # o_proj: 7168 rows, K 1024
@@ -46,14 +48,13 @@ def test_cuda_matches_fp32_reference(N, K, dtype):
     g = torch.Generator("cuda").manual_seed(N * 7 + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
     for M in range(1, MAX_ROWS + 1):
-        for _ in range(2):  # twice: the tickets the first launch took are back at zero
-            x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-            poison_allocator()
-            torch.testing.assert_close(skinny_linear(x, w), reference(x, w), rtol=2 ** -7, atol=2e-3)
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        poison_allocator()
+        torch.testing.assert_close(skinny_linear(x, w), reference(x, w), rtol=2 ** -7, atol=2e-3)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(384, 7168), (33, 512), (100, 768)])  # the K2 shard's router, odd row counts
+@pytest.mark.parametrize("N,K", [(384, 7168), (33, 512), (100, 768), (16, 2048)])  # K2's router, odd rows, 8 splits
 def test_cuda_fp32_output_matches_fp32_reference(N, K):
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
@@ -69,7 +70,7 @@ def test_cuda_fp32_output_matches_fp32_reference(N, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,out_dtype", [(1, None), (1, torch.float32)])
 def test_replayed_from_a_cuda_graph_equals_eager(M, out_dtype):
-    w = (torch.randn(576, 7168, device="cuda") / 85).to(torch.bfloat16)  # split across blocks: tickets in the graph
+    w = (torch.randn(576, 7168, device="cuda") / 85).to(torch.bfloat16)  # K split over a cluster of 7 blocks
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
     eager = skinny_linear(x, w, out_dtype)
     graph = torch.cuda.CUDAGraph()
@@ -84,3 +85,49 @@ def test_replayed_from_a_cuda_graph_equals_eager(M, out_dtype):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)  # the same split and order of sums: bitwise
+
+
+def test_bmm_off_the_kernel_is_torch_bmm():
+    x, w = torch.randn(1, 3, 256), torch.randn(3, 10, 256)
+    out = torch.empty(1, 3, 10)
+    assert not bmm_fits(x, w, out)  # a CPU tensor
+    assert skinny_bmm(x, w, out) is out
+    assert torch.equal(out, torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1))
+
+
+def _w_uv(heads, nope, v, L, dtype, g):
+    """W_UV as K2 reads it: rows [nope, nope + v) of every head's block of kv_b_proj's weight (a strided view)."""
+    kv_b = (torch.randn(heads * (nope + v), L, device="cuda", generator=g) / L ** 0.5).to(dtype)
+    return kv_b.view(heads, nope + v, L)[:, nope:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,nope,v,L", [(8, 128, 128, 512), (3, 2, 10, 256), (1, 0, 34, 768), (5, 16, 6, 2048)])
+def test_cuda_bmm_matches_fp32_reference(heads, nope, v, L, dtype):
+    """K2's W_UV product at one token (8 heads of 128 rows, K 512), and odd group counts, group sizes and splits."""
+    g = torch.Generator("cuda").manual_seed(heads * 31 + v)
+    w = _w_uv(heads, nope, v, L, dtype, g)
+    x = torch.randn(1, heads, L, device="cuda", generator=g).to(dtype)
+    poison_allocator()
+    out = torch.full((1, heads, v), float("nan"), device="cuda", dtype=dtype)
+    assert bmm_fits(x, w, out)
+    skinny_bmm(x, w, out)
+    ref = torch.einsum("thk,hrk->thr", x.float(), w.float()).to(dtype)
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=2e-3)
+    two = torch.empty(2, heads, v, device="cuda", dtype=dtype)  # two tokens: torch.bmm
+    x2 = torch.randn(2, heads, L, device="cuda", generator=g).to(dtype)
+    assert not bmm_fits(x2, w, two)
+    torch.testing.assert_close(skinny_bmm(x2, w, two), torch.einsum("thk,hrk->thr", x2.float(), w.float()).to(dtype),
+                               rtol=2 ** -7, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_bmm_with_an_odd_group_size_takes_torch_bmm():
+    g = torch.Generator("cuda").manual_seed(1)
+    w = _w_uv(4, 8, 7, 256, torch.bfloat16, g)  # 7 rows a group: a warp's two rows would span two groups
+    x = torch.randn(1, 4, 256, device="cuda", generator=g).bfloat16()
+    out = torch.empty(1, 4, 7, device="cuda", dtype=torch.bfloat16)
+    assert not bmm_fits(x, w, out)
+    torch.testing.assert_close(skinny_bmm(x, w, out), torch.einsum("thk,hrk->thr", x.float(), w.float()).bfloat16(),
+                               rtol=2 ** -7, atol=2e-3)

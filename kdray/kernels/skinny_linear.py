@@ -1,16 +1,21 @@
-"""``y = x W^T`` for a single token (decode): ``skinny_linear``.
+"""``y = x W^T`` for a single token (decode): ``skinny_linear``; and per group, ``skinny_bmm``.
 
 At one token a projection is a weight stream: cuBLAS picks split-K GEMMs plus a reduce kernel for K2's shard
 projections (issue 12). ``cuda/skinny_linear.cu`` streams the weights at 16 bytes per lane, two rows per warp,
-with K split across blocks so that even 576 output rows fill the GPU, and the last block of each row group adding
-the partial sums (one launch, no host sync, capturable in a CUDA graph). fp32 accumulation, one rounding, as
-cuBLAS's bf16 GEMM does.
+with K split across the blocks of a thread-block cluster so that even 576 output rows fill the GPU, and the
+cluster's first block adding the partial sums from the others' shared memory (one launch, no host sync, no global
+scratch, capturable in a CUDA graph). fp32 accumulation, one rounding, as cuBLAS's bf16 GEMM does.
 
 The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums). The kernel compiles for up
-to 8 rows of ``x`` (``M_ROWS``), but on the H200 it beats cuBLAS at one row only (``benchmarks/bench_linear.py``: at
-8 rows cuBLAS is 1.4-2x faster, and with an fp32 output 1.25x), so ``MAX_ROWS`` is 1. CUDA bf16 / fp16 inputs with
-at most ``MAX_ROWS`` rows, ``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and the
-reference) is ``F.linear``, or cuBLAS's fp32-output GEMM.
+to 8 rows of ``x`` (``M_ROWS``), but on the H200 it clearly beats cuBLAS at one row only (``benchmarks/bench_linear.py``
+with more rows allowed, 2026-12-03: 1.0-1.6x at 2 rows, 0.6-1.1x at 8; K2's 8x0 pass 9.7 -> 11.0 ms with it at 8
+rows, 4 tokens unchanged), so ``MAX_ROWS`` is 1. CUDA bf16 / fp16 inputs with at most ``MAX_ROWS`` rows,
+``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and the reference) is ``F.linear``, or
+cuBLAS's fp32-output GEMM.
+
+``skinny_bmm`` is the same kernel over groups: output rows of group g read x's row g and weight group g, as
+``torch.bmm`` of ``[G, T, K]`` by ``[G, K, R]``: MLA's W_UV product per head at one token, 2.2 us on K2's shard
+against torch.bmm's 4.8 (a cuBLAS kernel, which the next one cannot start behind).
 """
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ from kdray.kernels.cuda_module import launch, sm_count
 
 MAX_ROWS = 1  # rows of x that take the kernel (H200: cuBLAS wins at 8)
 ROWS_PER_BLOCK = 16  # WARPS * RPW in the .cu
+RPW = 2  # weight rows per warp in the .cu: a group of skinny_bmm holds whole warps
 THREADS = 256  # 32 * WARPS in the .cu
 K_STEP = 256  # elements of K one warp covers per step
 WAVES = 4  # blocks per SM the K split aims for
+MAX_SPLIT = 8  # blocks of a cluster (the portable limit): the K split's largest
 DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -57,37 +64,51 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous()
-    M, dev = x2.shape[0], x.device
     fp32_out = out_dtype == torch.float32
-    y = torch.empty(M, N, dtype=torch.float32 if fp32_out else x.dtype, device=dev)  # [M, N]
-    groups = math.ceil(N / ROWS_PER_BLOCK)
-    splits = k_splits(groups, K // K_STEP, sm_count(dev.index))
-    work = torch.empty(splits, M, N, dtype=torch.float32, device=dev) if splits > 1 else y  # [S, M, N] partials
-    tickets = _tickets(w) if splits > 1 else y
-    launch("skinny_linear", "skinny_linear", (groups, splits), (THREADS,),
-           (x2, w, y, work, tickets, np.int32(N), np.int32(K)), device=dev,
-           defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", M)) + ((("OUT_F32", 1),) if fp32_out else ()))
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)  # [M, N]
+    _launch(x2, w, y, N, K, group_rows=N, w_pitch=N, fp32_out=fp32_out)
     return y.view(*x.shape[:-1], N)
 
 
+def skinny_bmm_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+    return out
+
+
+def bmm_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``skinny_bmm(x [T, G, K], w [G, R, K], out [T, G, R])`` takes the kernel."""
+    T, G, K = x.shape
+    R = w.shape[1]
+    return (x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype == out.dtype and 0 < T <= MAX_ROWS
+            and K % K_STEP == 0 and w.shape == (G, R, K) and R % RPW == 0 and out.shape == (T, G, R)
+            and x.is_contiguous() and out.is_contiguous() and w.stride(2) == 1 and w.stride(1) == K
+            and w.stride(0) % K == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[t, g] = w[g] @ x[t, g]``: x ``[T, G, K]``, w ``[G, R, K]`` (rows contiguous; groups any multiple of K
+    apart, as a view of a larger weight), out ``[T, G, R]``; returns out."""
+    if not bmm_fits(x, w, out):
+        return skinny_bmm_reference(x, w, out)
+    G, R, K = w.shape
+    _launch(x, w, out, G * R, K, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False)
+    return out
+
+
+def _launch(x, w, y, N: int, K: int, group_rows: int, w_pitch: int, fp32_out: bool):
+    """The kernel over output rows N (groups of ``group_rows`` rows, ``w_pitch`` weight rows apart), K split as
+    ``k_splits`` says, one cluster a row group."""
+    dev = x.device
+    splits = k_splits(math.ceil(N / ROWS_PER_BLOCK), K // K_STEP, sm_count(dev.index))
+    launch("skinny_linear", "skinny_linear", (math.ceil(N / ROWS_PER_BLOCK), splits), (THREADS,),
+           (x, w, y, np.int32(N), np.int32(K), np.int32(group_rows), np.int32(w_pitch)), device=dev,
+           defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", x.shape[0]), ("CLUSTER", splits))
+           + ((("OUT_F32", 1),) if fp32_out else ()))
+
+
 def k_splits(groups: int, steps: int, sm_count: int) -> int:
-    """The K split: the largest divisor of the K steps that keeps the grid within ``WAVES`` blocks per SM."""
-    cap = max(1, WAVES * sm_count // groups)
+    """The K split: the largest divisor of the K steps that keeps the grid within ``WAVES`` blocks per SM and a
+    cluster within ``MAX_SPLIT`` blocks."""
+    cap = min(MAX_SPLIT, max(1, WAVES * sm_count // groups))
     return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= cap)
-
-
-_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _tickets(w: torch.Tensor) -> torch.Tensor:
-    """The weight's row-group tickets (zero between launches; each launch's last blocks zero them again). One set
-    per weight: launches over one weight run in stream order. Made at the weight's first (eager) use: memory taken
-    inside a graph capture would belong to that graph's pool."""
-    key = (w.data_ptr(), w.shape[0])
-    t = _TICKETS.get(key)
-    if t is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_linear's first use of a weight is inside a CUDA graph capture; run the "
-                               "captured function eagerly once first")
-        t = _TICKETS[key] = torch.zeros(math.ceil(w.shape[0] / ROWS_PER_BLOCK), dtype=torch.int32, device=w.device)
-    return t

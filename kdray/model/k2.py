@@ -20,7 +20,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.moe_route import moe_route
 from kdray.kernels.prefill_attention import prefill_attention
 from kdray.kernels.silu_mul import silu_mul
-from kdray.kernels.skinny_linear import skinny_linear
+from kdray.kernels.skinny_linear import skinny_bmm, skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import is_tiled, repack_int4_experts, routed_w4a16_moe
 from kdray.model.batch import ForwardBatch
@@ -96,7 +96,7 @@ class MLAttention(nn.Module):
             o_latent = mla_tree_attention(q_attn, cache, batch.block_table, batch.prefix_lens, batch.cu_q,
                                           batch.tree_mask, c.softmax_scale, L, early_prefix=True)  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
-            torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))  # [Hl, T, v]
+            skinny_bmm(o_latent, w_uv, out)  # per head: one token on skinny_linear's kernel, else torch.bmm
         return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))
 
     def _plain(self, q, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
