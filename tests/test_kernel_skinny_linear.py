@@ -91,6 +91,7 @@ def test_bmm_off_the_kernel_is_torch_bmm():
     x, w = torch.randn(1, 3, 256), torch.randn(3, 10, 256)
     out = torch.empty(1, 3, 10)
     assert not bmm_fits(x, w, out)  # a CPU tensor
+    assert not bmm_fits(x[0], w, out)  # x not [T, G, K]
     assert skinny_bmm(x, w, out) is out
     assert torch.equal(out, torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1))
 

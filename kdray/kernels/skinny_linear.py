@@ -77,6 +77,8 @@ def skinny_bmm_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) ->
 
 def bmm_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether ``skinny_bmm(x [T, G, K], w [G, R, K], out [T, G, R])`` takes the kernel."""
+    if x.dim() != 3 or w.dim() != 3:
+        return False
     T, G, K = x.shape
     R = w.shape[1]
     return (x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype == out.dtype and 0 < T <= MAX_ROWS
