@@ -32,6 +32,19 @@ def test_the_k_split_divides_k_and_fills_the_gpu_within_its_waves_and_a_cluster(
     assert k_splits(groups=10_000, steps=28, sm_count=132) == 1
 
 
+def test_a_k_split_needs_clusters_else_cublas(monkeypatch):
+    """The K split's sum runs in a thread-block cluster (sm_90 and later); before that a projection that splits K
+    goes to cuBLAS (0), one that fills the GPU unsplit still takes the kernel."""
+    import kdray.kernels.skinny_linear as SL
+
+    monkeypatch.setattr(SL, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    for hopper, router in ((True, 7), (False, 0)):
+        monkeypatch.setattr(SL, "sm90_or_later", lambda index, h=hopper: h)
+        assert SL.kernel_splits(384, 7168, dev) == router  # K2's router: 24 row groups
+        assert SL.kernel_splits(7168, 1024, dev) == 1  # o_proj: 448 row groups
+
+
 SHAPES = [  # (N, K): K2 TP8 shard projections, then odd row counts
     (1536, 7168), (576, 7168), (1536, 1536), (7168, 1024), (512, 7168), (7168, 256), (33, 512), (1, 256), (100, 768),
 ]

@@ -103,7 +103,7 @@ def launch(name: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...]
     if shared_mem > entry[1]:
         fn.max_dynamic_shared_size_bytes = entry[1] = shared_mem
     stream = torch.cuda.current_stream(index)
-    if torch.cuda.is_current_stream_capturing() and _dependent_launches(index):
+    if torch.cuda.is_current_stream_capturing() and sm90_or_later(index):
         with cupy.cuda.Device(index):
             _launch_dependent(fn.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
         return
@@ -130,8 +130,8 @@ def _driver():
 
 
 @functools.cache
-def _dependent_launches(device_index: int) -> bool:
-    """Programmatic dependent launch needs sm_90 or later."""
+def sm90_or_later(device_index: int) -> bool:
+    """Whether the device has Hopper's launch features: programmatic dependent launch, thread-block clusters."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 

@@ -4,7 +4,8 @@ At one token a projection is a weight stream: cuBLAS picks split-K GEMMs plus a 
 projections (issue 12). ``cuda/skinny_linear.cu`` streams the weights at 16 bytes per lane, two rows per warp,
 with K split across the blocks of a thread-block cluster so that even 576 output rows fill the GPU, and the
 cluster's first block adding the partial sums from the others' shared memory (one launch, no host sync, no global
-scratch, capturable in a CUDA graph). fp32 accumulation, one rounding, as cuBLAS's bf16 GEMM does.
+scratch, capturable in a CUDA graph). fp32 accumulation, one rounding, as cuBLAS's bf16 GEMM does. Clusters need
+sm_90; on earlier GPUs a projection whose K would be split runs on cuBLAS (``kernel_splits``).
 
 The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums). The kernel compiles for up
 to 8 rows of ``x`` (``M_ROWS``), but on the H200 it clearly beats cuBLAS at one row only (``benchmarks/bench_linear.py``
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdray.kernels.cuda_module import launch, sm_count
+from kdray.kernels.cuda_module import launch, sm90_or_later, sm_count
 
 MAX_ROWS = 1  # rows of x that take the kernel (H200: cuBLAS wins at 8)
 ROWS_PER_BLOCK = 16  # WARPS * RPW in the .cu
@@ -58,7 +59,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in ``out_dtype``: x's dtype (None) or float32."""
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"skinny_linear's out_dtype is x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
-    if not fits(x, w):
+    splits = kernel_splits(*w.shape, x.device) if fits(x, w) else 0
+    if not splits:
         return skinny_linear_reference(x, w, out_dtype)
     N, K = w.shape
     x2 = x.reshape(-1, K)
@@ -66,7 +68,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         x2 = x2.contiguous()
     fp32_out = out_dtype == torch.float32
     y = torch.empty(x2.shape[0], N, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)  # [M, N]
-    _launch(x2, w, y, N, K, group_rows=N, w_pitch=N, fp32_out=fp32_out)
+    _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out)
     return y.view(*x.shape[:-1], N)
 
 
@@ -91,20 +93,27 @@ def bmm_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[t, g] = w[g] @ x[t, g]``: x ``[T, G, K]``, w ``[G, R, K]`` (rows contiguous; groups any multiple of K
     apart, as a view of a larger weight), out ``[T, G, R]``; returns out."""
-    if not bmm_fits(x, w, out):
+    splits = kernel_splits(w.shape[0] * w.shape[1], w.shape[2], x.device) if bmm_fits(x, w, out) else 0
+    if not splits:
         return skinny_bmm_reference(x, w, out)
     G, R, K = w.shape
-    _launch(x, w, out, G * R, K, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False)
+    _launch(x, w, out, G * R, K, splits, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False)
     return out
 
 
-def _launch(x, w, y, N: int, K: int, group_rows: int, w_pitch: int, fp32_out: bool):
-    """The kernel over output rows N (groups of ``group_rows`` rows, ``w_pitch`` weight rows apart), K split as
-    ``k_splits`` says, one cluster a row group."""
-    dev = x.device
-    splits = k_splits(math.ceil(N / ROWS_PER_BLOCK), K // K_STEP, sm_count(dev.index))
+def kernel_splits(N: int, K: int, device: torch.device) -> int:
+    """The K split of N x K on ``device`` (``k_splits``), or 0 where it splits K and the device has no thread-block
+    clusters (before sm_90): cuBLAS then."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    splits = k_splits(math.ceil(N / ROWS_PER_BLOCK), K // K_STEP, sm_count(index))
+    return splits if splits == 1 or sm90_or_later(index) else 0
+
+
+def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int, fp32_out: bool):
+    """The kernel over output rows N (groups of ``group_rows`` rows, ``w_pitch`` weight rows apart), K split over
+    ``splits`` blocks, one cluster a row group."""
     launch("skinny_linear", "skinny_linear", (math.ceil(N / ROWS_PER_BLOCK), splits), (THREADS,),
-           (x, w, y, np.int32(N), np.int32(K), np.int32(group_rows), np.int32(w_pitch)), device=dev,
+           (x, w, y, np.int32(N), np.int32(K), np.int32(group_rows), np.int32(w_pitch)), device=x.device,
            defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", x.shape[0]), ("CLUSTER", splits))
            + ((("OUT_F32", 1),) if fp32_out else ()))
 

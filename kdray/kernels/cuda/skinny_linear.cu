@@ -39,12 +39,6 @@ typedef elem_t out_t;
 __device__ __forceinline__ out_t to_out(float v) { return to_t(v); }
 #endif
 
-#if CLUSTER > 1
-#define CLUSTER_DIMS __cluster_dims__(1, CLUSTER, 1)
-#else
-#define CLUSTER_DIMS
-#endif
-
 // A weight vector: read once, so it skips L1 (ld.global.nc.L1::no_allocate).
 __device__ __forceinline__ vec8 load_stream(const elem_t* p) {
   int4 r;
@@ -53,6 +47,9 @@ __device__ __forceinline__ vec8 load_stream(const elem_t* p) {
                : "l"(p));
   return *reinterpret_cast<vec8*>(&r);
 }
+
+#if CLUSTER > 1  // clusters: sm_90 and later (kernels/skinny_linear.py launches CLUSTER 1 elsewhere)
+#define CLUSTER_DIMS __cluster_dims__(1, CLUSTER, 1)
 
 // Every thread of the cluster waits here until all have arrived; shared-memory writes before it are visible after.
 __device__ __forceinline__ void cluster_sync() {
@@ -67,6 +64,9 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
+#else
+#define CLUSTER_DIMS
+#endif
 
 extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(WARPS * 32)
     skinny_linear(const elem_t* __restrict__ x,  // [M_ROWS, N / group_rows, K], rows contiguous
