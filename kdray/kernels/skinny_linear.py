@@ -102,11 +102,10 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
 
 
 def kernel_splits(N: int, K: int, device: torch.device) -> int:
-    """The K split of N x K on ``device`` (``k_splits``), or 0 where it splits K and the device has no thread-block
-    clusters (before sm_90): cuBLAS then."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    splits = k_splits(math.ceil(N / ROWS_PER_BLOCK), K // K_STEP, sm_count(index))
-    return splits if splits == 1 or sm90_or_later(index) else 0
+    """The K split of N x K on ``device`` (a CUDA tensor's, so indexed; ``k_splits``), or 0 where it splits K and the
+    device has no thread-block clusters (before sm_90): cuBLAS then."""
+    splits = k_splits(math.ceil(N / ROWS_PER_BLOCK), K // K_STEP, sm_count(device.index))
+    return splits if splits == 1 or sm90_or_later(device.index) else 0
 
 
 def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int, fp32_out: bool):

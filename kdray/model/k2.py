@@ -5,9 +5,10 @@ over the batch's prompts on a GPU); verify steps run the absorbed
 form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
-roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, the absorbed
-projections are otherwise batched GEMMs over ``[heads, T, *]`` views (no copies), routing is one kernel after a
-bf16 router GEMM with fp32 output (for INT4 experts at few tokens, part of the MoE's first kernel).
+roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, W_UV's product
+runs per head on ``skinny_bmm`` at one token, the absorbed projections are otherwise batched GEMMs over
+``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
+experts at few tokens, part of the MoE's first kernel).
 """
 from __future__ import annotations
 
