@@ -115,10 +115,12 @@ def test_skinny_up_form_by_items():
 
 
 def test_skinny_path_serves_few_rows_per_expert():
-    """K2 TP8 shapes: decode and trees up to ~192 tokens take the skinny path, larger verifies the tiles."""
+    """K2 TP8 shapes: decode and trees up to 384 tokens (8 route slots per expert) take the skinny path; larger
+    verifies and prefills rs on Hopper, the tiles elsewhere."""
     assert _choose_variant(384, 7168, 256, 8 * 1) == SKINNY
-    assert _choose_variant(384, 7168, 256, 8 * 192) == SKINNY
-    assert _choose_variant(384, 7168, 256, 8 * 257) == "m16n1"
+    assert _choose_variant(384, 7168, 256, 8 * 257) == SKINNY
+    assert _choose_variant(384, 7168, 256, 8 * 384) == SKINNY
+    assert _choose_variant(384, 7168, 256, 8 * 385) == "m32n2"
     assert _choose_variant(384, 7168, 256, 8 * 1024) == "m32n2"
     assert _choose_variant(384, 7168, 256, 8 * 32 * 65) == "m64n2"  # a 32 x 64-node verify, or a prefill
     assert _choose_variant(384, 7168, 384 - 64, 8 * 2080) == "m32n1"  # I % 128 != 0
@@ -400,7 +402,9 @@ def test_wgmma_family_support_and_choice():
     assert "got H=7168, I=192" in _wgmma_ok((9, 0), 7168, 192, True)
     E, H, I = 384, 7168, 256
     assert _choose_variant(E, H, I, 8 * 64, wgmma=True) == SKINNY
-    assert _choose_variant(E, H, I, 8 * 512, wgmma=True) == "m32n2"
+    assert _choose_variant(E, H, I, 8 * 384, wgmma=True) == SKINNY
+    assert _choose_variant(E, H, I, 8 * 385, wgmma=True) == "rs"
+    assert _choose_variant(E, H, I, 8 * 512, wgmma=True) == "rs"
     assert _choose_variant(E, H, I, 8 * 1024, wgmma=True) == "rs"
     assert _choose_variant(E, H, I, 8 * 1024, wgmma=False) == "m32n2"
     assert _choose_variant(E, H, I, 8 * 2080, wgmma=True) == "rs"

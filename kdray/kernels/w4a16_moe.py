@@ -29,11 +29,11 @@ Three families of GEMM kernels: with few rows per expert (decode and small verif
 (passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
 pass's rows as its 8 columns; K split across the warps of a block; persistent blocks over (pass, column tile) items,
 a wave at most, since the pass count is only known on the device; each lane loads its weights into registers ahead
-of their math; ``SKINNY_UP_FORMS`` for the gate/up GEMM), otherwise the tile path (``VARIANTS``: weights staged
-through a cp.async pipeline in shared memory, 16 to 64 rows per pass), and on Hopper (sm_90) from
-``WGMMA_MIN_ROWS_PER_EXPERT`` rows per expert the wgmma family (``WGMMA_VARIANTS``). Its down GEMM writes each
-(token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's rows in slot order: its results
-are the same bits on every call. The chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
+of their math; ``SKINNY_UP_FORMS`` for the gate/up GEMM) up to ``SKINNY_MAX_ROWS_PER_EXPERT`` rows per expert; past
+that the wgmma family (``WGMMA_VARIANTS``) on Hopper (sm_90), and elsewhere, or for shapes neither takes, the tile
+path (``VARIANTS``: weights staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass). The wgmma
+family's down GEMM writes each (token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's
+rows in slot order: its results are the same bits on every call. The chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
 (``moe_up_rs``, ``moe_down_rs``): the weights are wgmma's A operand, dequantized into registers in the tile path's k
 order, and the pass's rows (x permuted by the prep into that order; h written in it) its N columns, N the rows
 rounded up to 8 up to 32 (at least 16), then to 16; with I > ``RSD_MAX_I`` its down GEMM is ``wg128``'s. ``wg64``
@@ -73,7 +73,12 @@ SKINNY_ROWS = 8
 SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
 SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (80 registers)
-SKINNY_MAX_ROWS_PER_EXPERT = 4  # route slots per expert up to which the skinny path wins (H200 sweep, K2 TP8)
+# Route slots per expert up to which the skinny path is chosen (and from which, on Hopper, rs). H200, K2 TP8, 384
+# experts, uniform routing, the MoE graph-replayed (2026-12-03; results/moe-families-2026-12-03-h200-session27.txt):
+# 5.4 per expert (T=257) skinny 417 us < rs 519 < m16n1 553; 8.0 (T=385) skinny 521 ~ rs 534; 10.7 (T=513) rs 553 <
+# m32n2 601 < skinny 639; the sweep of 2026-12-02 (results/moe-rs-2026-12-02-h200.txt) had set 4 and 20 before the
+# skinny kernels streamed their weights through registers and rs took passes of 16-24 rows.
+SKINNY_MAX_ROWS_PER_EXPERT = 8
 PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 TP8: T = 2080 and beyond)
 # Hopper (sm_90a) wgmma family over the tiled layout (repack_int4_experts): name -> (warpgroups along M of the down
 # GEMM, rows per pass = 64 * that; whether the gate/up GEMM is the swapped one, moe_up_rs); N tiles of WG_BN weight
@@ -91,11 +96,10 @@ WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
 WG_RES_K = 256
 WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
-# Route slots per expert from which the wgmma family's rs is chosen. H200, K2 TP8, 384 experts, the MoE's kernels per
-# call (2026-12-02; results/moe-rs-2026-12-02-h200.txt, as rs128): 21 per expert (T=1024) rs 644 us < m32n2 741; 43
-# (T=2080) rs 831 < wg64 994; 85 (T=4096) rs 1154 < wg128 1332; 341 (T=16384) rs 3913 < wg128 4163. Passes of 64 rows
-# instead (moe-rs-pass-rows-*.txt) tie up to 43 per expert and lose from 64 (985 against 1190 us at T=3072).
-WGMMA_MIN_ROWS_PER_EXPERT = 20
+# Past SKINNY_MAX_ROWS_PER_EXPERT route slots per expert the wgmma family's rs is chosen on Hopper. At many rows it
+# beats the other wgmma variants too (2026-12-02; results/moe-rs-2026-12-02-h200.txt, as rs128): 43 per expert
+# (T=2080) rs 831 us < wg64 994; 85 (T=4096) rs 1154 < wg128 1332; 341 (T=16384) rs 3913 < wg128 4163. Passes of 64
+# rows instead (moe-rs-pass-rows-*.txt) tie up to 43 per expert and lose from 64 (985 against 1190 us at T=3072).
 # The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
 # launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
 WG_CHUNK_TOKENS = 16384
@@ -315,10 +319,10 @@ def _capability(dev: torch.device) -> tuple[int, int]:
 def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> str:
     """The GEMM family for the shape (see the module docstring; thresholds from H200 sweeps on K2 shards).
     ``wgmma``: the wgmma family can run (Hopper, tiled experts, H % 256 == 0, I % 128 == 0)."""
-    if wgmma and slots >= WGMMA_MIN_ROWS_PER_EXPERT * E:
-        return "rs"
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
+    if wgmma:
+        return "rs"
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
     # N tiles halve the activation re-reads (each tile stages its rows' activations again); from a prefill's
     # ~32 rows per expert, 64-row passes halve the weight dequantization per MMA (9-14% at 2k-16k tokens).
