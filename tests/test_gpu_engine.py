@@ -204,8 +204,8 @@ def test_verify_pass_replayed_from_cuda_graph_equals_eager(shape):
         (again,), _ = graphed((batch.input_ids, batch.positions))
         again = again.clone()
     assert torch.isfinite(eager).all()
-    for out in (first, again):  # the MoE kernel sums experts with atomics: equal up to summation order
-        assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-3
+    for out in (first, again):  # the same kernels in the same order: the same bits (no atomics in the pass)
+        assert torch.equal(out, eager)
 
 
 FIELDS = dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={17: 2.0, 5: -100.0},

@@ -97,4 +97,4 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch):
         beside = moe(x).float()
     torch.cuda.synchronize()
     assert torch.isfinite(beside).all()
-    assert rel_err(beside, one_stream) < 1e-3  # the routed experts' fp32 atomics: equal up to summation order
+    assert torch.equal(beside, one_stream)  # the shared experts' output joins at the finalize either way

@@ -101,10 +101,9 @@ def test_tp2_over_nccl_equals_in_process_in_fp32(ray_gpus, ep, graphs):
 @pytest.mark.parametrize("ep", [False, True])
 def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int4_k2, ep):
     """INT4 experts take bf16 activations, and each rank's partial sums are rounded to bf16 before the
-    all-reduce (the kernel's fp32 atomics also sum in a varying order), so at TP = 2 a greedy choice can
-    flip where the in-process logits nearly tie. Each prompt's output equals the in-process one up to its
-    first divergence, and there the in-process logit of the token TP = 2 chose is within ``NEAR_TIE`` of
-    the top logit."""
+    all-reduce, so at TP = 2 a greedy choice can flip where the in-process logits nearly tie. Each prompt's
+    output equals the in-process one up to its first divergence, and there the in-process logit of the token
+    TP = 2 chose is within ``NEAR_TIE`` of the top logit."""
     prompts = [[t % 1000 for t in p] for p in PROMPTS]
     with LLM(model=int4_k2, **SPEC_GPU) as local:
         reference = tokens(local.generate(prompt_token_ids=prompts, sampling_params=PARAMS))

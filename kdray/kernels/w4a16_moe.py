@@ -15,15 +15,15 @@ verify step's MoE can be captured in a CUDA graph:
 
 1. ``moe_prep``: block 0 sorts the (token, slot) pairs by expert (histogram + prefix sum) and cuts each
    expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
-   ldmatrix loads read (see the .cu; the wgmma family's ``rs`` reads it too, the skinny path does not) and zero the
-   fp32 output accumulator.
+   ldmatrix loads read (see the .cu; the wgmma family's ``rs`` reads it too, the skinny path does not).
    ``routed_w4a16_moe`` at few tokens launches ``moe_route_prep`` (``cuda/moe_route.cu``) instead: block 0
    routes the tokens (``moe_route``'s math, a warp per token) before it sorts them.
 2. ``moe_up_*``: per (pass, N tile) the gate/up GEMM with INT4 dequantized in registers, SiLU(gate) * up
    fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
-3. ``moe_down_*``: the down GEMM over ``h``; each row scaled by its routing weight and added
-   (fp32 reductions) into ``acc [T, H]``.
-4. ``moe_finalize``: ``acc`` (+ ``add``) -> ``out`` in bf16.
+3. ``moe_down_*``: the down GEMM over ``h``; each row scaled by its routing weight and written as that (token,
+   slot)'s row of ``y [T*k, H]`` (bf16).
+4. ``moe_finalize_slots``: each token's rows of ``y`` summed in slot order (+ ``add``) -> ``out`` in bf16. No
+   atomics anywhere: a call's result is the same bits every time.
 
 Three families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
 (passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
@@ -32,14 +32,13 @@ a wave at most, since the pass count is only known on the device; each lane load
 of their math; ``SKINNY_UP_FORMS`` for the gate/up GEMM) up to ``SKINNY_MAX_ROWS_PER_EXPERT`` rows per expert; past
 that the wgmma family (``WGMMA_VARIANTS``) on Hopper (sm_90), and elsewhere, or for shapes neither takes, the tile
 path (``VARIANTS``: weights staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass). The wgmma
-family's down GEMM writes each (token, slot)'s weighted output row in bf16 and ``moe_finalize_slots`` sums a token's
-rows in slot order: its results are the same bits on every call. The chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
+family's chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
 (``moe_up_rs``, ``moe_down_rs``): the weights are wgmma's A operand, dequantized into registers in the tile path's k
 order, and the pass's rows (x permuted by the prep into that order; h written in it) its N columns, N the rows
 rounded up to 8 up to 32 (at least 16), then to 16; with I > ``RSD_MAX_I`` its down GEMM is ``wg128``'s. ``wg64``
 and ``wg128`` (64- or 128-row passes, kept for sweeps) stream N tiles of 256 weight rows, 64 k per stage, the INT4
 tile dequantized once per pass into bf16 shared memory and both wgmma operands from there, x and h in natural k
-order. The family runs batches of more than ``WG_CHUNK_TOKENS`` tokens in chunks.
+order. Every family runs batches of more than ``CHUNK_TOKENS`` tokens in chunks.
 
 Expert layouts: compressed-tensors (``[E, N, K/8]`` int32 and ``[E, N, K/32]`` scales, as loaded) or the tiled
 layout of :func:`repack_int4_experts` (``[E, K/64, N, 8]`` / ``[E, K/64, N, 2]``: one K tile of an N tile's rows is
@@ -72,7 +71,7 @@ SKINNY_ROWS = 8
 # third 1.73x; at 8 they tie).
 SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
-SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (80 registers)
+SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (79 registers)
 # Route slots per expert up to which the skinny path is chosen (and from which, on Hopper, rs). H200, K2 TP8, 384
 # experts, uniform routing, the MoE graph-replayed (2026-12-03; results/moe-families-2026-12-03-h200-session27.txt):
 # 5.4 per expert (T=257) skinny 417 us < rs 519 < m16n1 553; 8.0 (T=385) skinny 521 ~ rs 534; 10.7 (T=513) rs 553 <
@@ -100,9 +99,9 @@ WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 
 # beats the other wgmma variants too (2026-12-02; results/moe-rs-2026-12-02-h200.txt, as rs128): 43 per expert
 # (T=2080) rs 831 us < wg64 994; 85 (T=4096) rs 1154 < wg128 1332; 341 (T=16384) rs 3913 < wg128 4163. Passes of 64
 # rows instead (moe-rs-pass-rows-*.txt) tie up to 43 per expert and lose from 64 (985 against 1190 us at T=3072).
-# The wgmma family keeps each slot's output row (bf16 [T * k, H]) for the ordered sum: at most this many tokens per
-# launch sequence (K2 TP8: 1.9 GB, the old fp32 accumulator's size at 64k tokens); longer batches run in chunks.
-WG_CHUNK_TOKENS = 16384
+# Each slot's output row (bf16 [T * k, H]) is kept for the ordered sum: at most this many tokens per launch sequence
+# (K2 TP8: 1.9 GB, the size an fp32 accumulator of 64k tokens had); longer batches run in chunks.
+CHUNK_TOKENS = 16384
 ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
 ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
@@ -339,8 +338,6 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     """The CUDA path; ``variant`` (a ``VARIANTS`` or ``WGMMA_VARIANTS`` key, or ``SKINNY``) overrides the choice by
     shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
     scratch) makes the prep launch write ``topk_ids`` and ``topk_weights`` first."""
-    from kdray.kernels.cuda_module import launch
-
     E, H, I, group = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     T, k = topk_ids.shape
     x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
@@ -349,7 +346,7 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     if add is not None:
         operands["add"] = add = add if add.is_contiguous() and add.data_ptr() % 16 == 0 else add.clone()
     _check_cuda(x, operands, E, H, I, k, group)
-    dev, i32 = x.device, np.int32
+    dev = x.device
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     if T == 0:
         _join(add_stream, dev)
@@ -362,30 +359,35 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
         raise ValueError(f"variant {variant} cannot run here: {why}")
     elif variant not in WGMMA_VARIANTS and variant not in VARIANTS and variant != SKINNY:
         raise ValueError(f"unknown variant {variant!r}; choose from {[SKINNY, *VARIANTS, *WGMMA_VARIANTS]}")
-    if variant in WGMMA_VARIANTS:
-        for t0 in range(0, T, WG_CHUNK_TOKENS):  # tokens are independent: chunks give the same bits
-            t1 = min(T, t0 + WG_CHUNK_TOKENS)
-            _wgmma_moe(variant, x[t0:t1], w13_packed, w13_scale, w2_packed, w2_scale, topk_ids[t0:t1],
-                       topk_weights[t0:t1], None if add is None else add[t0:t1], out[t0:t1], routing, E, H, I, k, sms,
-                       add_stream)
-        return out
     if variant in VARIANTS and VARIANTS[variant][1] == 2 and I % 128:
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
     if variant == SKINNY and (H % 128 or I % 128):
         raise ValueError(f"the skinny path needs H and I multiples of 128, got H={H}, I={I}")
+    gemms = _wgmma_gemms if variant in WGMMA_VARIANTS else _mma_gemms
+    for t0 in range(0, T, CHUNK_TOKENS):  # tokens are independent: chunks give the same bits
+        t1 = min(T, t0 + CHUNK_TOKENS)
+        y = gemms(variant, x[t0:t1], w13_packed, w13_scale, w2_packed, w2_scale, topk_ids[t0:t1], topk_weights[t0:t1],
+                  routing, E, H, I, k, sms)
+        _finalize_slots(y, topk_ids[t0:t1], None if add is None else add[t0:t1], out[t0:t1], E, sms, add_stream)
+    return out
+
+
+def _mma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, routing, E, H, I, k,
+               sms) -> torch.Tensor:
+    """The skinny path and the tile path (``VARIANTS``): prep (the sort; for the tile path x permuted too), the
+    gate/up GEMM -> h [T*k, I], the down GEMM -> y [T*k, H] (each slot's weighted row, bf16), returned."""
+    from kdray.kernels.cuda_module import launch
+
+    dev, i32 = x.device, np.int32
+    slots, tiled = x.shape[0] * k, is_tiled(w13_packed)
     mt = SKINNY_ROWS if variant == SKINNY else VARIANTS[variant][0]
     max_passes = min(E, slots) + slots // mt  # sum over experts of ceil(rows_e / mt) never exceeds this
     sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)  # sorted row -> t * k + j
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)  # [0, 0]: count; (e, row0, rows, 0)
-    acc = torch.empty(T, H, dtype=torch.float32, device=dev)  # weighted sum over the k experts
-    # The tile path reads activations in the GEMMs' k order, rows padded to a multiple of 128 (the padding must
-    # read as zero); the skinny path reads x and h as they are.
-    x_perm = None if variant == SKINNY else torch.empty(T, _round128(H), dtype=torch.bfloat16, device=dev)
-    h_width = I if variant == SKINNY else _round128(I)
-    h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, h_width, dtype=torch.bfloat16, device=dev)
-
-    _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
-    if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave
+    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # slots of skipped ids stay unwritten (and unread)
+    if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave; x and h as they are
+        h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
+        _prep(x, topk_ids, None, sorted_slot, passes, routing, E, H, mt, sms)  # the sort only: one block
         up_items = max_passes * (I // 16)
         warps, blocks, ahead = _skinny_up_form(up_items, sms)
         launch("w4a16_moe", f"moe_up_skinny_w{warps}_b{blocks}_a{ahead}", (min(up_items, blocks * sms),),
@@ -393,16 +395,29 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
                device=dev)
         down_items = max_passes * math.ceil(H / SKINNY_DOWN_ROWS)
         launch("w4a16_moe", "moe_down_skinny", (min(down_items, SKINNY_DOWN_BLOCKS * sms),), (SKINNY_DOWN_THREADS,),
-               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(tiled)),
-               device=dev)
-    else:
-        _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
-                    topk_weights, k, H, I, E, slots, max_passes, sms, tiled)
-    n4 = T * H // 4
-    _join(add_stream, dev)
-    launch("w4a16_moe", "moe_finalize", (min(4 * sms, math.ceil(n4 / 256)),), (256,),
-           (acc, add if add is not None else 0, out, i32(n4)), device=dev)
-    return out
+               (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(H), i32(I), i32(tiled)), device=dev)
+        return y
+    # The tile path reads activations in the GEMMs' k order, rows padded to a multiple of 128 (the padding must
+    # read as zero).
+    x_perm = torch.empty(x.shape[0], _round128(H), dtype=torch.bfloat16, device=dev)
+    h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, _round128(I), dtype=torch.bfloat16, device=dev)
+    _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms)
+    _tile_gemms(variant, x_perm, h, y, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
+                topk_weights, k, H, I, E, slots, max_passes, sms, tiled)
+    return y
+
+
+def _finalize_slots(y, topk_ids, add, out, E, sms, add_stream):
+    """``moe_finalize_slots``: out [T, H] = each token's rows of y [T * k, H] summed in slot order (the same bits on
+    every call), + add; after ``add_stream``'s work (add's writer) when there is one."""
+    from kdray.kernels.cuda_module import launch
+
+    (T, k), H = topk_ids.shape, out.shape[1]
+    n8 = T * H // 8
+    _join(add_stream, out.device)
+    launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
+           (y, topk_ids, add if add is not None else 0, out, np.int32(T), np.int32(H), np.int32(k), np.int32(E)),
+           device=out.device)
 
 
 def _join(add_stream: torch.cuda.Stream | None, dev: torch.device):
@@ -416,17 +431,17 @@ def _skinny_up_form(items: int, sms: int) -> tuple[int, int, int]:
     return next(form[1:] for form in reversed(SKINNY_UP_FORMS) if items >= form[0] * sms)
 
 
-def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms):
+def _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms):
     """moe_prep: block 0 sorts the slots by expert into passes of at most ``mt`` rows (1024 threads, 2E ints of shared
-    memory); the other blocks, when there is an ``x_perm`` or ``acc`` to write, permute x into it (a thread per
-    16-byte piece) and zero acc. With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in
+    memory); the other blocks, when there is an ``x_perm`` to write, permute x into it (a thread per 16-byte piece).
+    With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in
     block 0 first."""
     from kdray.kernels.cuda_module import launch
 
     T, k = topk_ids.shape
     i32 = np.int32
-    perm_blocks = 0 if x_perm is None and acc is None else min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
-    prep = (x, 0 if x_perm is None else x_perm, 0 if acc is None else acc, sorted_slot, passes)
+    perm_blocks = 0 if x_perm is None else min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
+    prep = (x, 0 if x_perm is None else x_perm, sorted_slot, passes)
     if routing is None:
         launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
                (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=x.device)
@@ -437,7 +452,7 @@ def _prep(x, topk_ids, x_perm, acc, sorted_slot, passes, routing, E, H, mt, sms)
                shared_mem=4 * T * k + max(8 * E, 128, group_scratch), device=x.device, defines=defines)
 
 
-def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
+def _tile_gemms(variant, x_perm, h, y, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
                 topk_weights, k, H, I, E, slots, max_passes, sms, tiled):
     """The tile path's gate/up and down launches (``VARIANTS[variant]``)."""
     from kdray.kernels.cuda_module import launch
@@ -457,16 +472,15 @@ def _tile_gemms(variant, x_perm, h, acc, w13_packed, w13_scale, w2_packed, w2_sc
     n_down = math.ceil(H / bn)  # tiles of bn output rows over K = I
     tpb = _tiles_per_block(n_down, math.ceil(I / KC), busy, sms)
     launch("w4a16_moe", f"moe_down_{variant}", (max_passes, math.ceil(n_down / tpb)), (THREADS,),
-           (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, acc, i32(k), i32(H), i32(I), i32(n_down),
+           (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I), i32(n_down),
             i32(tpb), i32(tiled)), shared_mem=smem, device=dev)
 
 
-def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add, out, routing,
-               E, H, I, k, sms, add_stream=None) -> torch.Tensor:
+def _wgmma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, routing,
+                 E, H, I, k, sms) -> torch.Tensor:
     """The wgmma family: prep (the sort; for ``rs`` x permuted too), the gate/up GEMM (``moe_up_rs`` or
     ``moe_up_<variant>``) -> h [T*k, I], the down GEMM (``moe_down_rs``, or the ``wg`` one of the pass size) -> y
-    [T*k, H] (each slot's weighted row, bf16), ``moe_finalize_slots`` (each token's rows summed in slot order: the
-    same bits on every call)."""
+    [T*k, H] (each slot's weighted row, bf16), returned."""
     from kdray.kernels.cuda_module import launch
 
     dev, i32 = x.device, np.int32
@@ -477,7 +491,7 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     max_passes = min(E, slots) + slots // mt
     if max_passes > 65535:  # the grid's y dimension
         raise ValueError(f"{T} tokens x top-{k} over {E} experts make up to {max_passes} passes of {mt} rows, past the "
-                         f"65535 one launch takes; lower WG_CHUNK_TOKENS")
+                         f"65535 one launch takes; lower CHUNK_TOKENS")
     sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)
     h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
@@ -485,7 +499,7 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     # The swapped gate/up GEMM reads x in the tile path's k order ([T, H], H % 256 == 0: no padding); the prep's
     # other blocks write it. The other wgmma kernels read x and h as they are: block 0 only.
     x_perm = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if swapped else None
-    _prep(x, topk_ids, x_perm, None, sorted_slot, passes, routing, E, H, mt, sms)  # no fp32 accumulator
+    _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms)
     busy = min(E, slots)
     swapped_down = swapped and I <= RSD_MAX_I  # reads h in the logical k order moe_up_rs then writes
     if swapped:  # a block per 128 outputs of h and pass
@@ -511,8 +525,4 @@ def _wgmma_moe(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     launch("w4a16_moe", name, (math.ceil(n_down / tpb), max_passes), (threads,),
            (h, w2_packed, w2_scale, sorted_slot, passes, topk_weights, y, i32(k), i32(H), i32(I), i32(n_down),
             i32(tpb)), shared_mem=smem, device=dev)
-    n8 = T * H // 8
-    _join(add_stream, dev)
-    launch("w4a16_moe", "moe_finalize_slots", (min(4 * sms, math.ceil(n8 / 256)),), (256,),
-           (y, topk_ids, add if add is not None else 0, out, i32(T), i32(H), i32(k), i32(E)), device=dev)
-    return out
+    return y

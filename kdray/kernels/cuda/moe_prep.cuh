@@ -1,5 +1,5 @@
 // The MoE's prep work (kernels/w4a16_moe.py), shared by moe_prep (w4a16_moe.cu) and moe_route_prep (moe_route.cu):
-// a 1024-thread block sorts the (token, slot) pairs by expert; the other blocks permute x and zero acc.
+// a 1024-thread block sorts the (token, slot) pairs by expert; the other blocks permute x.
 #pragma once
 
 // Exclusive prefix sum over a 1024-thread block; *total gets the sum. sums: 33 ints of shared memory.
@@ -31,12 +31,11 @@ __device__ int block_exclusive_scan(int v, int* sums, int* total) {
 }
 
 // Blocks 1..P of the grid, a thread per 16-byte piece: x_perm [T, Hp] (Hp = H rounded up to 128) = x in the
-// logical k order (see w4a16_moe.cu), zero past H (skipped when x_perm is null: the skinny path reads x as it
-// is); acc [T, H] = 0 (skipped when acc is null: the wgmma path writes each slot's row and sums them in order).
-__device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4* __restrict__ x_perm,
-                                              float4* __restrict__ acc, int T, int H) {
+// logical k order (see w4a16_moe.cu), zero past H (the launch has no such blocks for the families that read x as it
+// is).
+__device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4* __restrict__ x_perm, int T, int H) {
   const int pieces = (H + 127) / 128 * 16, stride = (gridDim.x - 1) * blockDim.x;  // 16-byte pieces per row
-  for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; x_perm != nullptr && i < T * pieces; i += stride) {
+  for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < T * pieces; i += stride) {
     // Piece u = 2 s + h of a chunk holds, as word c, k (32c + 8(s>>1) + 2(s&1) + h, +4) of the chunk: half h of
     // words (s & 1) and (s & 1) + 2 of the chunk's 8-group 4c + (s >> 1).
     const int t = i / pieces, p = i % pieces, u = p & 15, s = u >> 1;
@@ -49,8 +48,6 @@ __device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4
     }
     x_perm[i] = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; acc != nullptr && i < T * H / 4; i += stride)
-    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 #define SORT_BATCH 8  // ids in flight per thread of the sort

@@ -73,25 +73,15 @@ __device__ __forceinline__ void dequant_word(u32 w, __nv_bfloat162 scale, u32* o
   }
 }
 
-__device__ __forceinline__ void red_add4(float* dst, float4 v) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
-#else
-  atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
-#endif
-}
-
 // Launch: grid (1 + P), block 1024, dynamic shared memory 8 * E bytes. Block 0 sorts topk_ids [T, k] by expert
-// (moe_sort_slots), blocks 1..P permute x and zero acc (moe_permute_x); see moe_prep.cuh.
+// (moe_sort_slots), blocks 1..P permute x (moe_permute_x); see moe_prep.cuh.
 extern "C" __global__ void __launch_bounds__(1024) moe_prep(
     const long long* __restrict__ topk_ids, const uint4* __restrict__ x, uint4* __restrict__ x_perm,
-    float4* __restrict__ acc, int* __restrict__ sorted_slot, int4* __restrict__ passes, int T, int k, int E,
-    int H, int mt) {
+    int* __restrict__ sorted_slot, int4* __restrict__ passes, int T, int k, int E, int H, int mt) {
   griddep_wait();  // no early launch of the expert GEMMs (see moe_route_prep)
   extern __shared__ int sm[];
   if (blockIdx.x > 0)
-    moe_permute_x(x, x_perm, acc, T, H);
+    moe_permute_x(x, x_perm, T, H);
   else
     moe_sort_slots(topk_ids, sm, sorted_slot, passes, T, k, E, mt);
 }
@@ -103,7 +93,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prep(
 // MODE 0 (gate/up): A = x_perm rows of the pass's tokens, K = H, W = w13 (N = 2I); half 0 holds HALF gate rows
 //   and half 1 the matching up rows, so h[row, n] = silu(gate) * up is formed in registers and stored bf16 in
 //   the logical k order.
-// MODE 1 (down): A = h rows, K = I, W = w2 (N = H); acc[token, n] += topk_weight * out (fp32 reductions).
+// MODE 1 (down): A = h rows, K = I, W = w2 (N = H); y[slot, n] = bf16(topk_weight * out), one row per (token, slot)
+//   (moe_finalize_slots sums a token's rows in slot order).
 // Launch: grid (max_passes, ceil(n_tiles / tpb)), block 256,
 // shared STAGES * (BN * KC / 2 + BN * KC / 16 + MT * KC * 2) bytes.
 template <int MODE, int MT, int NT, int STAGES>
@@ -111,7 +102,7 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
                                          const __nv_bfloat16* __restrict__ w_scale,
                                          const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
                                          __nv_bfloat16* __restrict__ h_out, const float* __restrict__ topk_weights,
-                                         float* __restrict__ acc_out, int k, int H, int I, int n_tiles, int tpb,
+                                         __nv_bfloat16* __restrict__ y_out, int k, int H, int I, int n_tiles, int tpb,
                                          int tiled) {
   constexpr int BN = 128 * NT, HALF = BN / 2, MTILES = MT / 16;
   constexpr int W_ROW = KC / 2, S_ROW = KC / 16, A_ROW = KC * 2;  // bytes per row and stage
@@ -291,8 +282,9 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
               const int slot = sorted_slot[row0 + m];
               const float wgt = topk_weights[slot];
               const float4 o = odd ? make_float4(o0, o1, v[2], v[3]) : make_float4(v[0], v[1], o0, o1);
-              red_add4(acc_out + (size_t)(slot / k) * H + n,
-                       make_float4(wgt * o.x, wgt * o.y, wgt * o.z, wgt * o.w));
+              *reinterpret_cast<uint2*>(y_out + (size_t)slot * H + n) =
+                  make_uint2(bf2_bits(__floats2bfloat162_rn(wgt * o.x, wgt * o.y)),
+                             bf2_bits(__floats2bfloat162_rn(wgt * o.z, wgt * o.w)));
             }
           }
         }
@@ -318,10 +310,10 @@ __device__ __forceinline__ void moe_gemm(const __nv_bfloat16* __restrict__ a_src
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##NAME(                                     \
       const __nv_bfloat16* h, const int* w2_packed, const __nv_bfloat16* w2_scale, const int* sorted_slot,      \
-      const int4* passes, const float* topk_weights, float* acc, int k, int H, int I, int n_tiles, int tpb,     \
-      int tiled) {                                                                                             \
+      const int4* passes, const float* topk_weights, __nv_bfloat16* y, int k, int H, int I, int n_tiles,       \
+      int tpb, int tiled) {                                                                                    \
     griddep_begin();                                                                                           \
-    moe_gemm<1, MT, NT, STAGES>(h, w2_packed, w2_scale, sorted_slot, passes, nullptr, topk_weights, acc, k, H, \
+    moe_gemm<1, MT, NT, STAGES>(h, w2_packed, w2_scale, sorted_slot, passes, nullptr, topk_weights, y, k, H,   \
                                 I, n_tiles, tpb, tiled);                                                       \
   }
 
@@ -331,25 +323,6 @@ MOE_GEMMS(m16n1, 16, 1, 4, 2)  // T <= 16
 MOE_GEMMS(m32n1, 32, 1, 3, 2)  // a few rows per expert
 MOE_GEMMS(m32n2, 32, 2, 2, 2)  // many rows per expert: BN = 256 halves the activation re-reads per weight byte
 MOE_GEMMS(m64n2, 64, 2, 2, 1)  // prefill: each dequantized weight feeds twice the MMAs
-
-// out = bf16(acc), or bf16(float(bf16(acc)) + float(add)) (torch's rounding of `routed + add`), 4 values per
-// thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.
-extern "C" __global__ void moe_finalize(const float4* __restrict__ acc, const uint2* __restrict__ add,
-                                        uint2* __restrict__ out, int n4) {
-  griddep_begin();
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += gridDim.x * blockDim.x) {
-    const float4 v = acc[i];
-    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-    if (add != nullptr) {
-      const uint2 a = add[i];
-      const float2 al = __bfloat1622float2(bits_bf2(a.x)), ah = __bfloat1622float2(bits_bf2(a.y));
-      const float2 rl = __bfloat1622float2(lo), rh = __bfloat1622float2(hi);
-      lo = __floats2bfloat162_rn(rl.x + al.x, rl.y + al.y);
-      hi = __floats2bfloat162_rn(rh.x + ah.x, rh.y + ah.y);
-    }
-    out[i] = make_uint2(bf2_bits(lo), bf2_bits(hi));
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Skinny path (few rows per expert): a pass is one expert's <= 8 rows, and the mma is swapped: 16 weight rows are
@@ -561,16 +534,17 @@ MOE_UP_SKINNY(16, 1, 1)  // 122 registers each
 MOE_UP_SKINNY(4, 4, 1)
 MOE_UP_SKINNY(4, 3, 2)  // 158 registers
 
-// Down: acc[token, n] += topk_weight * (W2[e] h)[n] for the pass's rows; per item (pass, tile of 256 outputs) warp
-// w owns output rows n0 = 256 tile + 32 w + [0, 32) (two m16 tiles) over all of K = I; each tile goes through
-// shared memory so a lane adds 4 consecutive outputs of one row with one red.global.add.v4.f32. The blocks resident
-// on an SM hide each other's latencies.
-// Launch: grid min(max_passes * ceil(H / 256), 3 SMs) (80 registers: three blocks of 8 warps fit an SM), block
+// Down: y[slot, n] = bf16(topk_weight * (W2[e] h)[n]) for the pass's rows (one row per (token, slot), as the wgmma
+// family's down GEMMs write it; moe_finalize_slots sums a token's rows in slot order, so the result is the same bits
+// on every call); per item (pass, tile of 256 outputs) warp w owns output rows n0 = 256 tile + 32 w + [0, 32) (two
+// m16 tiles) over all of K = I; each tile goes through shared memory so a lane stores 4 consecutive outputs of one
+// row (8 bytes). The blocks resident on an SM hide each other's latencies.
+// Launch: grid min(max_passes * ceil(H / 256), 3 SMs) (79 registers: three blocks of 8 warps fit an SM), block
 // 32 * SK_DOWN_WARPS; H % 16 == 0, I % 128 == 0, group 32.
 extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
     const __nv_bfloat16* __restrict__ h, const int* __restrict__ w2_packed, const __nv_bfloat16* __restrict__ w2_scale,
     const int* __restrict__ sorted_slot, const int4* __restrict__ passes, const float* __restrict__ topk_weights,
-    float* __restrict__ acc_out, int k, int H, int I, int tiled) {
+    __nv_bfloat16* __restrict__ y, int H, int I, int tiled) {
   griddep_begin();
   __shared__ float tile[SK_DOWN_WARPS][16 * 8];
   const int tiles = (H + 32 * SK_DOWN_WARPS - 1) / (32 * SK_DOWN_WARPS), n_pass = passes[0].x, items = n_pass * tiles;
@@ -580,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
   // Items pass-fastest (the blocks at work share a tile of outputs). A block reads its next item's pass while it works
   // on this one, and a lane its row's slot before the weights (volatile, so it is issued there): neither an item's
   // weight loads nor its reduction wait on a read that could have been made earlier.
-  const int n = lane & 7, quad = lane >> 3;  // reduction: lane l adds outputs 4 quad .. + 3 of the tile for pass row n
+  const int n = lane & 7, quad = lane >> 3;  // epilogue: lane l stores outputs 4 quad .. + 3 of the tile, pass row n
   int4 pass_next = blockIdx.x < items ? passes[1 + blockIdx.x % n_pass] : make_int4(0, 0, 0, 0);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int4 pass = pass_next;
@@ -616,7 +590,6 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
         for (int q = 0; q < 4; ++q) xv[q] = ld_nc(hr + 4 * g + q);
         skinny_chunk<2>(acc, w, sc, xv);
       }
-      const int token = slot >= 0 ? slot / k : -1;
       const float wgt = slot >= 0 ? topk_weights[slot] : 0.f;
       float* t = tile[warp];
 #pragma unroll
@@ -627,10 +600,12 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
         t[(r + 8) * 8 + 2 * c] = acc[m][2];
         t[(r + 8) * 8 + 2 * c + 1] = acc[m][3];
         __syncwarp();
-        if (token >= 0) {
-          const float4 v = make_float4(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n],
-                                       wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
-          red_add4(acc_out + (size_t)token * H + n0 + 16 * m + 4 * quad, v);
+        if (slot >= 0) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n]);
+          const __nv_bfloat162 hi =
+              __floats2bfloat162_rn(wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
+          *reinterpret_cast<uint2*>(y + (size_t)slot * H + n0 + 16 * m + 4 * quad) =
+              make_uint2(bf2_bits(lo), bf2_bits(hi));
         }
         __syncwarp();
       }
@@ -1287,8 +1262,10 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_down_rs(
   });
 }
 
-// out[t] = bf16(sum over valid slots j in order of y[t k + j]) (+ add, rounded as in moe_finalize); ids < 0 or >= E
-// are skipped. 8 outputs per thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be null.
+// out[t] = bf16(sum over valid slots j in order of y[t k + j]) (+ add: bf16(float(bf16(sum)) + float(add)), torch's
+// rounding of `routed + add`); ids < 0 or >= E are skipped (their rows, never written, are read and dropped, so that
+// no load waits for an id). 8 outputs per thread. Launch: any 1-D grid of 256-thread blocks (grid-stride); add may be
+// null.
 extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const long long* __restrict__ ids,
                                               const uint4* __restrict__ add, uint4* __restrict__ out, int T, int H,
                                               int k, int E) {
@@ -1296,16 +1273,17 @@ extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const
   const int h8 = H / 8;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < T * h8; i += gridDim.x * blockDim.x) {
     const int t = i / h8, c = i - t * h8;
+    const uint4 a = add != nullptr ? add[i] : make_uint4(0u, 0u, 0u, 0u);
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j0 = 0; j0 < k; j0 += 8) {  // 8 slots' loads in flight at once, then their sum in slot order
       uint4 v[8];
       bool ok[8];
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
+      for (int jj = 0; jj < 8; ++jj) {  // a row is read before its id says whether it was written (not: dropped)
         const int j = j0 + jj;
         const long long id = j < k ? ids[(size_t)t * k + j] : -1;
         ok[jj] = id >= 0 && id < E;
-        v[jj] = ok[jj] ? y[((size_t)t * k + j) * h8 + c] : make_uint4(0u, 0u, 0u, 0u);
+        v[jj] = j < k ? y[((size_t)t * k + j) * h8 + c] : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
@@ -1320,7 +1298,6 @@ extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const
       }
     }
     u32 o[4];
-    const uint4 a = add != nullptr ? add[i] : make_uint4(0u, 0u, 0u, 0u);
     const u32 aw[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
