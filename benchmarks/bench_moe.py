@@ -125,10 +125,13 @@ def _families(I: int) -> tuple[str, ...]:
     return (SKINNY, *VARIANTS, *(WGMMA_VARIANTS if wgmma else ()))
 
 
-def sweep_families(tokens=(1, 17, 65, 257, 1024, 2080, 4096, 16384), I: int = 256):
-    """Every GEMM family at K2 TP8 shapes over the token counts of decode, verify and prefill: graph-replayed time,
-    touched-expert bytes per second (the floor's rate) and the experts' TFLOP/s (2 x 3 x H x I per routed slot), and
-    the family ``w4a16_moe`` picks."""
+SWEEP_TOKENS = (1, 17, 65, 257, 385, 513, 1024, 2080, 4096, 16384)  # decode, verify and prefill; 385 and 513 sit
+# on either side of SKINNY_MAX_ROWS_PER_EXPERT (8 route slots per expert at 384 experts)
+
+
+def sweep_families(tokens=SWEEP_TOKENS, I: int = 256):
+    """Every GEMM family at K2 TP8 shapes over ``tokens``: graph-replayed time, touched-expert bytes per second (the
+    floor's rate) and the experts' TFLOP/s (2 x 3 x H x I per routed slot), and the family ``w4a16_moe`` picks."""
     ceil = Ceilings.measure()
     int4 = repack_int4_experts(*random_int4_experts(E, H, I))
     expert_bytes = sum(t[0].numel() * t.element_size() for t in int4)
@@ -153,4 +156,8 @@ def sweep_families(tokens=(1, 17, 65, 257, 1024, 2080, 4096, 16384), I: int = 25
 
 
 if __name__ == "__main__":
-    sweep_families()
+    import argparse
+
+    ap = argparse.ArgumentParser(description="every w4a16_moe GEMM family at K2 TP8 shapes, by token count")
+    ap.add_argument("--tokens", type=int, nargs="+", default=SWEEP_TOKENS, help="token counts to sweep")
+    sweep_families(tuple(ap.parse_args().tokens))

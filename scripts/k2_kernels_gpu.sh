@@ -2,7 +2,7 @@
 # Issue 12 on one GPU: parity tests of the fused ops (and the K2-shard CUDA-graph test), then benchmarks/k2_step.py
 # on this tree (after), on ALT's kdray (after without one change, to measure it) and on BASE's (before).
 #   OUT=DIR bash scripts/k2_kernels_gpu.sh [BASE [ALT]]   (folders holding another commit's kdray/)
-# The w4a16_moe GEMM-family sweep: python3 benchmarks/bench_moe.py
+# The w4a16_moe GEMM-family sweep: python3 benchmarks/bench_moe.py [--tokens N ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
