@@ -72,7 +72,7 @@ SKINNY_ROWS = 8
 SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
 SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (79 registers)
-# Route slots per expert up to which the skinny path is chosen (and from which, on Hopper, rs). H200, K2 TP8, 384
+# Route slots per expert up to which the skinny path is chosen (past it, on Hopper, rs). H200, K2 TP8, 384
 # experts, uniform routing, the MoE graph-replayed (2026-12-03; results/moe-families-2026-12-03-h200-session27.txt):
 # 5.4 per expert (T=257) skinny 417 us < rs 519 < m16n1 553; 8.0 (T=385) skinny 521 ~ rs 534; 10.7 (T=513) rs 553 <
 # m32n2 601 < skinny 639; the sweep of 2026-12-02 (results/moe-rs-2026-12-02-h200.txt) had set 4 and 20 before the
@@ -95,10 +95,6 @@ WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)
 WG_RES_K = 256
 WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 8 * 9216 + 2 * 32768}  # 173056, 205824
-# Past SKINNY_MAX_ROWS_PER_EXPERT route slots per expert the wgmma family's rs is chosen on Hopper. At many rows it
-# beats the other wgmma variants too (2026-12-02; results/moe-rs-2026-12-02-h200.txt, as rs128): 43 per expert
-# (T=2080) rs 831 us < wg64 994; 85 (T=4096) rs 1154 < wg128 1332; 341 (T=16384) rs 3913 < wg128 4163. Passes of 64
-# rows instead (moe-rs-pass-rows-*.txt) tie up to 43 per expert and lose from 64 (985 against 1190 us at T=3072).
 # Each slot's output row (bf16 [T * k, H]) is kept for the ordered sum: at most this many tokens per launch sequence
 # (K2 TP8: 1.9 GB, the size an fp32 accumulator of 64k tokens had); longer batches run in chunks.
 CHUNK_TOKENS = 16384
@@ -320,7 +316,10 @@ def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> 
     ``wgmma``: the wgmma family can run (Hopper, tiled experts, H % 256 == 0, I % 128 == 0)."""
     if H % 128 == 0 and I % 128 == 0 and slots <= SKINNY_MAX_ROWS_PER_EXPERT * E:
         return SKINNY
-    if wgmma:
+    if wgmma:  # rs beats the other wgmma variants at many rows too (2026-12-02; results/moe-rs-2026-12-02-h200.txt,
+        # as rs128): 43 per expert (T=2080) 831 us against wg64's 994; 85 (T=4096) 1154 against wg128's 1332; 341
+        # (T=16384) 3913 against 4163. Passes of 64 rows instead (moe-rs-pass-rows-*.txt) tie up to 43 per expert
+        # and lose from 64 (985 against 1190 us at T=3072).
         return "rs"
     # Up to ~8 rows per expert on average, 16-row passes (the deepest pipeline) win; with more rows, wider
     # N tiles halve the activation re-reads (each tile stages its rows' activations again); from a prefill's
@@ -336,8 +335,9 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
                     variant: str | None = None, routing: tuple | None = None,
                     add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The CUDA path; ``variant`` (a ``VARIANTS`` or ``WGMMA_VARIANTS`` key, or ``SKINNY``) overrides the choice by
-    shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group
-    scratch) makes the prep launch write ``topk_ids`` and ``topk_weights`` first."""
+    shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from
+    :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group scratch) makes the prep launch
+    write ``topk_ids`` and ``topk_weights`` first."""
     E, H, I, group = _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
     T, k = topk_ids.shape
     x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
@@ -384,7 +384,7 @@ def _mma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     max_passes = min(E, slots) + slots // mt  # sum over experts of ceil(rows_e / mt) never exceeds this
     sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)  # sorted row -> t * k + j
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)  # [0, 0]: count; (e, row0, rows, 0)
-    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # slots of skipped ids stay unwritten (and unread)
+    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # skipped ids' rows: unwritten, read and dropped
     if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave; x and h as they are
         h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
         _prep(x, topk_ids, None, sorted_slot, passes, routing, E, H, mt, sms)  # the sort only: one block
@@ -434,8 +434,7 @@ def _skinny_up_form(items: int, sms: int) -> tuple[int, int, int]:
 def _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms):
     """moe_prep: block 0 sorts the slots by expert into passes of at most ``mt`` rows (1024 threads, 2E ints of shared
     memory); the other blocks, when there is an ``x_perm`` to write, permute x into it (a thread per 16-byte piece).
-    With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in
-    block 0 first."""
+    With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in block 0 first."""
     from kdray.kernels.cuda_module import launch
 
     T, k = topk_ids.shape
@@ -495,7 +494,7 @@ def _wgmma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_id
     sorted_slot = torch.empty(slots, dtype=torch.int32, device=dev)
     passes = torch.empty(1 + max_passes, 4, dtype=torch.int32, device=dev)
     h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # slots of skipped ids stay unwritten (and unread)
+    y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # skipped ids' rows: unwritten, read and dropped
     # The swapped gate/up GEMM reads x in the tile path's k order ([T, H], H % 256 == 0: no padding); the prep's
     # other blocks write it. The other wgmma kernels read x and h as they are: block 0 only.
     x_perm = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if swapped else None
