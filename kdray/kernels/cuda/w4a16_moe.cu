@@ -1279,7 +1279,7 @@ extern "C" __global__ void moe_finalize_slots(const uint4* __restrict__ y, const
       uint4 v[8];
       bool ok[8];
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {  // a row is read before its id says whether it was written (not: dropped)
+      for (int jj = 0; jj < 8; ++jj) {  // each row is loaded with its id; a skipped slot's row is dropped below
         const int j = j0 + jj;
         const long long id = j < k ? ids[(size_t)t * k + j] : -1;
         ok[jj] = id >= 0 && id < E;
