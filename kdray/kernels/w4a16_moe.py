@@ -83,13 +83,14 @@ PREFILL_ROWS_PER_EXPERT = 32  # from here on 64-row passes win (H200 sweep, K2 T
 # GEMM, rows per pass = 64 * that; whether the gate/up GEMM is the swapped one, moe_up_rs); N tiles of WG_BN weight
 # rows, 64 k per stage; shared memory per block WG_SMEM (the .cu's WgCfg), RS_SMEM for moe_up_rs.
 WGMMA_VARIANTS = {"wg64": (1, False), "wg128": (2, False), "rs": (2, True)}
-# moe_up_rs: four warpgroups; 4 stages of x (128 rows x 128 k) and 4 of weights (2 K tiles of 256 rows and their
-# scales, padded: 18688 bytes) with their mbarriers: 206880 bytes.
+# moe_up_rs: four warpgroups; 4 stages of x and 4 of weights with their mbarriers, laid out for the larger of its two
+# forms: passes of up to 64 rows, whose block takes a pair of output halves (x 64 rows x 128 k; weights 2 K tiles of
+# 512 rows and their scales, padded: 37120 bytes), 215072 bytes; larger passes (x 128 rows, weights 18688) 206880.
 # moe_down_rs (its partner for I <= RSD_MAX_I, else the wgmma down GEMM): the pass's h rows (128 x RSD_MAX_I), 3
-# stages of weights (80 bytes per thread), the rows' slots and weights, a y staging tile per warpgroup (32 tokens x
-# 144 bytes): 208896 bytes.
-RS_THREADS, RS_SMEM = 512, 1024 + 4 * 2 * 128 * 128 + 4 * 18688 + 4 * 8
-RSD_MAX_I, RSD_SMEM = 256, 1024 + 128 * 256 * 2 + 3 * 512 * 80 + 128 * 8 + 4 * 32 * 144
+# stages of weights copied by TMA (a tile's K tiles of 256 rows and their scales, padded: 4 x 9344 bytes) with their
+# mbarriers, the rows' slots and weights, a y staging tile per warpgroup (32 tokens x 144 bytes): 198192 bytes.
+RS_THREADS, RS_SMEM = 512, 1024 + 4 * 2 * 64 * 128 + 4 * 37120 + 4 * 8
+RSD_MAX_I, RSD_SMEM = 256, 1024 + 128 * 256 * 2 + 3 * 4 * (8256 + 1088) + 16 * 3 + 128 * 8 + 4 * 32 * 144
 WG_BN, WG_THREADS = 256, 256
 WG_SMEM = {1: 1024 + 6 * 17408 + 2 * 32768, 2: 1024 + 5 * 25600 + 2 * 32768}  # 171008, 194560 bytes
 # The down GEMM with I <= WG_RES_K keeps its pass's h rows in shared memory (moe_down_<variant>_res)

@@ -50,6 +50,14 @@ __device__ __forceinline__ void ldmatrix_x4(u32* a, u32 addr) {
                : "memory");
 }
 
+// Four 8x8 b16 matrices, fragment a[i] each (lane 4 g + c: row g, columns 2 c, 2 c + 1), stored transposed: row k
+// of matrix i (the fragment's column k) at the address lane 8 i + k gives.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, const u32* a) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
+
 // c[4] += A(16x16) * B(16x8), bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile(
@@ -912,26 +920,39 @@ MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns
 // The weights are wgmma's A operand, dequantized from each thread's 16-byte pieces straight into registers in the
 // tile path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage);
 // the pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns (with_pass_n),
-// staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. The block owns 128
-// outputs of h: warp w the 8 outputs o = 128 blockIdx.x + 8 w + g, as A rows g (gate) and g + 8 (up), so each thread
-// holds gate and up of its output for the same tokens. Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its
-// two weight rows (one scale each) from the chunk's weight stage, which thread 0 fills by TMA bulk copies 3 chunks
-// ahead (the block's 128 gate or up rows of a K tile are 4 KB contiguous in the tiled layout; H200: 3-8% faster than
-// every thread copying its own 16-byte pieces); word q of that piece feeds k16 steps 2q and 2q + 1. h
-// (natural k order for the wgmma down GEMM, the logical one for moe_down_rs: h_logical) goes out through shared
-// memory, 16 bytes per store.
+// staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. A block owns HV halves
+// of 128 outputs of h: warp w the outputs o = 128 (blockIdx.x + hf) + 8 w + g, as A rows g (gate) and g + 8 (up), so
+// each thread holds gate and up of its outputs for the same tokens. A pass of up to RS_PAIR_ROWS rows takes HV = 2:
+// the even block of each pair of halves does both (its odd partner exits), so the pass's x rows are read once for
+// both, and the block streams twice the weights a chunk (more bytes in flight); larger passes, whose accumulators
+// would not fit twice, take HV = 1. Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its weight rows (one
+// scale each) from the chunk's weight stage, which thread 0 fills by TMA bulk copies 3 chunks ahead (the block's 128
+// HV gate or up rows of a K tile are 4 HV KB contiguous in the tiled layout; H200: 3-8% faster than every thread
+// copying its own 16-byte pieces); word q of that piece feeds k16 steps 2q and 2q + 1. h (natural k order for the
+// wgmma down GEMM, the logical one for moe_down_rs: h_logical) goes out through shared memory, 16 bytes per store.
 // Launch: grid (I / 128, max_passes), block RS_THREADS, shared RS_SMEM bytes; H % 256 == 0, I % 128 == 0.
 #define RS_MT 128                      // rows per pass
 #define RS_THREADS 512                 // four warpgroups, 64 weight rows each
+#define RS_PAIR_ROWS 64                // passes of up to this many rows: both halves of a pair in one block (HV = 2)
 #define RS_STAGES 4                    // chunks of x: the one in use, the one its last wgmmas may read, 2 ahead
 #define RS_HALF (RS_MT * 128)          // one 64-k half of a chunk: [RS_MT rows][128 B]
 #define RS_WSTAGES 4                   // chunks of weights in flight: the one in use and 3 ahead
-#define RS_WTILE 8256                  // a stage's K tile: 128 gate rows x 32 B, 128 up rows (+ 64 B: fewer conflicts)
-#define RS_WSCALES 1088                // a K tile's scale pairs: 128 gate rows x 4 B, 128 up rows (+ 64 B)
-#define RS_WSTAGE (2 * RS_WTILE + 2 * RS_WSCALES)  // a chunk's two K tiles, then their scales
-#define RS_SMEM (1024 + RS_STAGES * 2 * RS_HALF + RS_WSTAGES * RS_WSTAGE + 8 * RS_WSTAGES)  // + the stages' mbarriers
-#define RS_H_PITCH 136                 // bf16 per row of the epilogue's h tile (128 outputs + 8: fewer bank conflicts)
-static_assert(RS_MT * RS_H_PITCH * 2 <= RS_STAGES * 2 * RS_HALF, "the epilogue's h tile reuses the stages");
+// A stage's K tile: 128 HV gate rows x 32 B, 128 HV up rows (+ 64 B: fewer conflicts); its scale pairs: 4 B a row
+// (+ 64 B); a chunk's two K tiles, then their scales. Shared memory: the x stages of `rows` rows, the weight stages,
+// their mbarriers.
+__host__ __device__ constexpr int rs_wtile(int hv) { return 8192 * hv + 64; }
+__host__ __device__ constexpr int rs_wscales(int hv) { return 1024 * hv + 64; }
+__host__ __device__ constexpr int rs_wstage(int hv) { return 2 * rs_wtile(hv) + 2 * rs_wscales(hv); }
+__host__ __device__ constexpr int rs_smem(int hv, int rows) {
+  return 1024 + RS_STAGES * 2 * rows * 128 + RS_WSTAGES * rs_wstage(hv) + 8 * RS_WSTAGES;
+}
+__host__ __device__ constexpr int rs_h_pitch(int hv) { return 128 * hv + 8; }  // bf16 per row of the h tile (+ 8)
+// the larger of the two layouts (HV 1: 206880 bytes)
+#define RS_SMEM (1024 + RS_STAGES * 2 * RS_PAIR_ROWS * 128 + RS_WSTAGES * (2 * 16448 + 2 * 2112) + 8 * RS_WSTAGES)
+static_assert(RS_SMEM == rs_smem(2, RS_PAIR_ROWS) && RS_SMEM >= rs_smem(1, RS_MT), "RS_SMEM holds either layout");
+static_assert(RS_PAIR_ROWS * rs_h_pitch(2) <= RS_STAGES * RS_PAIR_ROWS * 128 &&
+                  RS_MT * rs_h_pitch(1) <= RS_STAGES * RS_MT * 128,
+              "the epilogue's h tile reuses the stages");
 
 // Position in a 128-k chunk's logical order (see the top of this file) of its k: the inverse of
 // k = 32 c + 8 (s >> 1) + 2 (s & 1) + h + 4 i at position 16 s + 8 h + 2 c + i.
@@ -942,10 +963,10 @@ __device__ __forceinline__ int logical_pos(int k) {
 
 // acc += A x B over one 128-k chunk, for moe_up_rs and moe_down_rs: A is this warp's 16 rows, row g from piece w0
 // (scale s0) and row g + 8 from w1 (s1), lane c holding k [32 c, 32 c + 32) of the chunk; B is the chunk's N rows in
-// the logical k order at b (k16 steps 0-3, 128B-swizzled [rows][128 B]) and b + RS_HALF (steps 4-7). Each step
+// the logical k order at b (k16 steps 0-3, 128B-swizzled [rows][128 B]) and b + XH (steps 4-7). Each step
 // retires the one two before, whose A registers the next word's dequantization may take (H200: waiting for the one
 // before cost moe_up_rs 4-6% at 2k-16k tokens; three in flight, at 128 registers, was slower).
-template <int NA>
+template <int NA, int XH = RS_HALF>
 __device__ __forceinline__ void rs_chunk(float (&acc)[NA], uint4 w0, uint4 w1, __nv_bfloat162 s0,
                                          __nv_bfloat162 s1, u32 b) {
 #pragma unroll
@@ -958,7 +979,7 @@ __device__ __forceinline__ void rs_chunk(float (&acc)[NA], uint4 w0, uint4 w1, _
       const int s = 2 * q + j;
       const u32 a[4] = {d0[2 * j], d1[2 * j], d0[2 * j + 1], d1[2 * j + 1]};
       wg_fence();
-      wgmma_rs<0>(acc, a, wg_desc(b + (s >> 2) * RS_HALF + 32 * (s & 3), 16, 1024));
+      wgmma_rs<0>(acc, a, wg_desc(b + (s >> 2) * XH + 32 * (s & 3), 16, 1024));
       wg_commit();
       wg_wait<2>();
     }
@@ -986,7 +1007,7 @@ __device__ __forceinline__ void with_pass_n(int rows, F&& f) {
   }
 }
 
-template <int NP>
+template <int NP, int HV>
 __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__ x_perm,
                                                const int* __restrict__ w13_packed,
                                                const __nv_bfloat16* __restrict__ w13_scale,
@@ -994,6 +1015,9 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
                                                __nv_bfloat16* __restrict__ h, int k, int H, int I, int h_logical) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int B_PER = (NP * 16 + RS_THREADS - 1) / RS_THREADS;  // 16-byte pieces of x per thread and chunk
+  constexpr int XH = (HV == 2 ? RS_PAIR_ROWS : RS_MT) * 128;  // one 64-k half of an x stage: [rows][128 B]
+  constexpr int WT = rs_wtile(HV), WS = rs_wscales(HV), PITCH = rs_h_pitch(HV);
+  static_assert(HV == 1 || NP <= RS_PAIR_ROWS, "a pair's accumulators fit for passes of up to RS_PAIR_ROWS rows");
   extern __shared__ unsigned char wg_smem[];
   const u32 base = (smem_u32(wg_smem) + 1023) & ~1023u;
   unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
@@ -1008,33 +1032,34 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
     b_off[i] = r < rows ? (sorted_slot[row0 + r] / k) * H + 8 * (tid & 15) : -1;
   }
   const int piece = tid & 15;
-  const u32 b_dst = (piece >> 3) * RS_HALF + (tid >> 4) * 128 + (((piece & 7) ^ ((tid >> 4) & 7)) << 4);
+  const u32 b_dst = (piece >> 3) * XH + (tid >> 4) * 128 + (((piece & 7) ^ ((tid >> 4) & 7)) << 4);
   auto load_x = [&](int ch) {
     if (ch >= n_chunks) return;
-    const u32 st = base + (ch % RS_STAGES) * 2 * RS_HALF + b_dst;
+    const u32 st = base + (ch % RS_STAGES) * 2 * XH + b_dst;
 #pragma unroll
     for (int i = 0; i < B_PER; ++i)
       if (b_off[i] >= 0) cp_async16(st + 32 * 128 * i, x_perm + b_off[i] + 128 * ch, true);
   };
 
-  // Weights: gate rows 128 blockIdx.x .. + 127 and the up rows I above them of the tiled w13 ([E][H/64][2I][8 words]
-  // and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. Thread 0 copies each (K tile j, gate /
-  // up u) block of 128 rows to j * RS_WTILE + u * 4096 of the stage, its scales to 2 RS_WTILE + j * RS_WSCALES + u *
-  // 512, completing the stage's mbarrier; stage ch % RS_WSTAGES is refilled after the barrier of chunk ch - 1, whose
+  // Weights: gate rows 128 blockIdx.x .. + 128 HV - 1 and the up rows I above them of the tiled w13 ([E][H/64][2I][8
+  // words] and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. Thread 0 copies each (K tile j,
+  // gate / up u) block of 128 HV rows to j * WT + u * 4096 HV of the stage, its scales to 2 WT + j * WS + u * 512 HV,
+  // completing the stage's mbarrier; stage ch % RS_WSTAGES is refilled after the barrier of chunk ch - 1, whose
   // threads have read it by then.
-  const u32 w_base = base + RS_STAGES * 2 * RS_HALF, bars = w_base + RS_WSTAGES * RS_WSTAGE;
+  const u32 w_base = base + RS_STAGES * 2 * XH, bars = w_base + RS_WSTAGES * rs_wstage(HV);
   const size_t row_b = (size_t)e * (H / 64) * N2 + 128 * blockIdx.x;  // K tile 0, gate, the block's first row
   auto load_w = [&](int ch) {
     if (tid != 0 || ch >= n_chunks) return;
-    const u32 st = w_base + (ch % RS_WSTAGES) * RS_WSTAGE, bar = bars + 8 * (ch % RS_WSTAGES);
-    mbar_expect_tx(bar, 4 * (4096 + 512));
+    const u32 st = w_base + (ch % RS_WSTAGES) * rs_wstage(HV), bar = bars + 8 * (ch % RS_WSTAGES);
+    mbar_expect_tx(bar, 4 * (4096 + 512) * HV);
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const size_t r = row_b + (size_t)(2 * ch + j) * N2 + u * I;
-        bulk_copy_g2s(st + j * RS_WTILE + u * 4096, reinterpret_cast<const uint4*>(w13_packed) + 2 * r, 4096, bar);
-        bulk_copy_g2s(st + 2 * RS_WTILE + j * RS_WSCALES + u * 512, w13_scale + 2 * r, 512, bar);
+        bulk_copy_g2s(st + j * WT + u * 4096 * HV, reinterpret_cast<const uint4*>(w13_packed) + 2 * r, 4096 * HV,
+                      bar);
+        bulk_copy_g2s(st + 2 * WT + j * WS + u * 512 * HV, w13_scale + 2 * r, 512 * HV, bar);
       }
   };
   if (tid == 0) {
@@ -1042,11 +1067,13 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
     mbar_init_fence();
   }
   __syncthreads();
-  const int ol = 8 * warp + g;  // the lane's row among the block's 128 gate (and up) rows
+  const int ol = 8 * warp + g;  // the lane's row among each half's 128 gate (and up) rows
 
-  float acc[NP / 2];
+  float acc[HV][NP / 2];
 #pragma unroll
-  for (int i = 0; i < NP / 2; ++i) acc[i] = 0.f;
+  for (int hf = 0; hf < HV; ++hf)
+#pragma unroll
+    for (int i = 0; i < NP / 2; ++i) acc[hf][i] = 0.f;
   // x copy groups, oldest first: X0 X1, then X(ch + 2) per chunk ch. Chunk ch waits for X(ch) (X(ch + 1) may stay in
   // flight), and the barrier also frees the x stage of chunk ch - 2 (only chunk ch - 1's last two wgmmas may still
   // run) and the weight stage of chunk ch - 1.
@@ -1065,38 +1092,46 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
     cp_async_commit();
     load_w(ch + 3);
     mbar_wait(bars + 8 * (ch % RS_WSTAGES), (ch / RS_WSTAGES) & 1);
-    const u32 st = base + (ch % RS_STAGES) * 2 * RS_HALF;
-    const unsigned char* wst = sbase + RS_STAGES * 2 * RS_HALF + (ch % RS_WSTAGES) * RS_WSTAGE;
-    uint4 wv[2];
-    __nv_bfloat162 sv[2];
+    const u32 st = base + (ch % RS_STAGES) * 2 * XH;
+    const unsigned char* wst = sbase + RS_STAGES * 2 * XH + (ch % RS_WSTAGES) * rs_wstage(HV);
+    uint4 wv[HV][2];
+    __nv_bfloat162 sv[HV][2];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      wv[u] = *reinterpret_cast<const uint4*>(wst + (c >> 1) * RS_WTILE + u * 4096 + ol * 32 + (c & 1) * 16);
-      sv[u] = __bfloat162bfloat162(reinterpret_cast<const __nv_bfloat16*>(
-          wst + 2 * RS_WTILE + (c >> 1) * RS_WSCALES + u * 512 + ol * 4)[c & 1]);
-    }
-    rs_chunk(acc, wv[0], wv[1], sv[0], sv[1], st);  // rows g: gate, g + 8: up
+    for (int hf = 0; hf < HV; ++hf)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int row = (u * HV + hf) * 128 + ol;  // among the K tile's 256 HV rows in the stage
+        wv[hf][u] = *reinterpret_cast<const uint4*>(wst + (c >> 1) * WT + row * 32 + (c & 1) * 16);
+        sv[hf][u] = __bfloat162bfloat162(
+            reinterpret_cast<const __nv_bfloat16*>(wst + 2 * WT + (c >> 1) * WS + row * 4)[c & 1]);
+      }
+#pragma unroll
+    for (int hf = 0; hf < HV; ++hf)
+      rs_chunk<NP / 2, XH>(acc[hf], wv[hf][0], wv[hf][1], sv[hf][0], sv[hf][1], st);  // rows g: gate, g + 8: up
   }
   wg_wait<0>();
   cp_async_wait<0>();
   __syncthreads();  // every warpgroup's wgmmas are done with the stages: the h tile takes their place
 
-  // acc[4 j + v]: row g + 8 (v >> 1) of the warp's 16 (gate, then up), token 8 j + 2 c + (v & 1). The block's 128
-  // outputs are one 128-k chunk of the down GEMM: h_logical puts output o at its position there (logical_pos).
-  __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(sbase);  // [NP tokens][RS_H_PITCH]
+  // acc[hf][4 j + v]: row g + 8 (v >> 1) of the warp's 16 (gate, then up) of half hf, token 8 j + 2 c + (v & 1). Each
+  // half's 128 outputs are one 128-k chunk of the down GEMM: h_logical puts output o at its position there
+  // (logical_pos).
+  __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(sbase);  // [NP tokens][PITCH]
   const int col = h_logical ? logical_pos(8 * warp + g) : 8 * warp + g;
 #pragma unroll
-  for (int j = 0; j < NP / 8; ++j)
+  for (int hf = 0; hf < HV; ++hf)
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const float gt = acc[4 * j + v], u = acc[4 * j + 2 + v];
-      tile[(8 * j + 2 * c + v) * RS_H_PITCH + col] = __float2bfloat16_rn(gt / (1.f + __expf(-gt)) * u);
-    }
+    for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const float gt = acc[hf][4 * j + v], u = acc[hf][4 * j + 2 + v];
+        tile[(8 * j + 2 * c + v) * PITCH + 128 * hf + col] = __float2bfloat16_rn(gt / (1.f + __expf(-gt)) * u);
+      }
   __syncthreads();
-  for (int i = tid; i < rows * 16; i += RS_THREADS) {
-    const int r = i >> 4, p = i & 15;
+  for (int i = tid; i < rows * 16 * HV; i += RS_THREADS) {
+    const int r = i / (16 * HV), p = i - r * 16 * HV;
     *reinterpret_cast<uint4*>(h + (size_t)(row0 + r) * I + 128 * blockIdx.x + 8 * p) =
-        *reinterpret_cast<const uint4*>(tile + r * RS_H_PITCH + 8 * p);
+        *reinterpret_cast<const uint4*>(tile + r * PITCH + 8 * p);
   }
 #else
   __trap();
@@ -1109,9 +1144,17 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
   griddep_begin();
   if (blockIdx.y >= passes[0].x) return;
   const int4 p = passes[1 + blockIdx.y];
+  const bool pair = p.z <= RS_PAIR_ROWS;
+  if (pair && (blockIdx.x & 1)) return;  // its half is the even block's second
   with_pass_n(p.z, [&](auto n) {
-    moe_up_rs_pass<decltype(n)::value>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I,
-                                       h_logical);
+    constexpr int NP = decltype(n)::value;
+    if constexpr (NP <= RS_PAIR_ROWS) {
+      if (blockIdx.x + 1 < gridDim.x) {
+        moe_up_rs_pass<NP, 2>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
+        return;
+      }
+    }
+    moe_up_rs_pass<NP, 1>(x_perm, w13_packed, w13_scale, sorted_slot, p.x, p.y, p.z, h, k, H, I, h_logical);
   });
 }
 
@@ -1119,19 +1162,21 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
 // (W2 h)[n] for the pass's rows, as the wgmma family's down GEMM writes it. The pass's h rows (the logical k order,
 // from moe_up_rs) stay in shared memory as the N columns; the block streams tiles of 256 outputs, warp w owning
 // outputs n = 256 t + 16 w + g (A row g) and + 8 (row g + 8), their weights dequantized into registers from each
-// thread's own slots of a cp.async ring RSD_WSTAGES - 1 tiles ahead; no block barrier inside the loop. The
-// accumulators go to y through a staging tile per warpgroup, 32 tokens at a time: each token's 64 outputs of the
-// warpgroup leave as one 128-byte line (H200, 4096 tokens: y's stores from the registers, 16 bytes of a line per
-// warp instruction, took 167 of moe_down_rs's 422 us).
+// thread's pieces of a ring that thread 0 fills by TMA RSD_WSTAGES - 1 tiles ahead (mbarriers; no block barrier
+// inside the loop). The accumulators, weighted, go to y through a staging tile per warpgroup (stmatrix.trans), 32
+// tokens at a time: each token's 64 outputs of the warpgroup leave as one 128-byte line (H200, 4096 tokens: y's stores
+// from the registers, 16 bytes of a line per warp instruction, took 167 of moe_down_rs's 422 us; the ring by TMA and
+// the stmatrix stores took it from 391-396 to 349-351 us).
 // Launch: grid (ceil(n_tiles / tpb), max_passes), n_tiles = H / 256, block RS_THREADS, shared RSD_SMEM bytes;
 // H % 256 == 0, I % 128 == 0, I <= RSD_MAX_I.
 #define RSD_MAX_I 256
 #define RSD_WSTAGES 3
-#define RSD_PIECES (RSD_MAX_I / 64)  // 16-byte weight pieces per thread and tile: 2 rows x I / 128 chunks
-#define RSD_WSTAGE (RS_THREADS * RSD_PIECES * 20)  // per thread: the pieces (16 B each), their scale pairs (4 B each)
+#define RSD_KT_W 8256  // a stage's K tile of weights: the tile's 256 rows x 32 B (+ 64 B: no bank conflicts)
+#define RSD_KT_S 1088  // its scale pairs: 256 rows x 4 B (+ 64 B)
+#define RSD_WSTAGE ((RSD_MAX_I / 64) * (RSD_KT_W + RSD_KT_S))  // a tile's K tiles of weights, then their scales
 #define RSD_YPITCH 144  // bytes per token row of a y staging tile: 64 outputs + 16 B (conflict-free writes)
 #define RSD_YSTAGE (32 * RSD_YPITCH)  // a warpgroup's y staging tile: 32 tokens
-#define RSD_SMEM (1024 + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE + RS_MT * 8 + 4 * RSD_YSTAGE)
+#define RSD_SMEM (1024 + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * (RSD_WSTAGE + 16) + RS_MT * 8 + 4 * RSD_YSTAGE)
 
 // Barrier of warpgroup wg's 128 threads alone (named barrier 1 + wg).
 __device__ __forceinline__ void bar_sync_wg(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
@@ -1149,54 +1194,63 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
   unsigned char* const sbase = wg_smem + (base - smem_u32(wg_smem));
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int tile0 = blockIdx.x * tpb, tiles = min(tile0 + tpb, n_tiles) - tile0, n_chunks = I / 128;
-  const int pieces = 2 * n_chunks;  // per thread and tile
-  // h rows [NP][I] in 64-k blocks of [RS_MT rows][128 B], swizzled; then the weight ring; then slots and weights; then
-  // the warpgroups' y staging tiles.
-  const u32 w_base = base + RS_MT * RSD_MAX_I * 2;
-  int* slot_of = reinterpret_cast<int*>(sbase + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE);
+  // h rows [NP][I] in 64-k blocks of [RS_MT rows][128 B], swizzled; then the weight ring and its mbarriers (full,
+  // then empty, per stage); then slots and weights; then the warpgroups' y staging tiles.
+  const u32 w_base = base + RS_MT * RSD_MAX_I * 2, full = w_base + RSD_WSTAGES * RSD_WSTAGE,
+            empty = full + 8 * RSD_WSTAGES;
+  int* slot_of = reinterpret_cast<int*>(sbase + RS_MT * RSD_MAX_I * 2 + RSD_WSTAGES * RSD_WSTAGE + 16 * RSD_WSTAGES);
   float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
   unsigned char* y_stage = reinterpret_cast<unsigned char*>(weight_of + RS_MT) + (warp >> 2) * RSD_YSTAGE;
+  // Weights of tile t: rows 256 t .. 256 t + 255 of each K tile of the tiled w2 ([E][I/64][H][8 words], scale pairs
+  // [E][I/64][H][2]): 8 KB and 1 KB contiguous. Thread 0 copies tile i's K tiles into stage i % RSD_WSTAGES by TMA,
+  // completing the stage's full barrier; every thread arrives on its empty barrier once it has read its pieces, and
+  // thread 0 waits for that before it refills the stage.
+  auto load_w = [&](int i) {  // the block's i-th tile
+    if (i >= tiles) return;
+    const int s = i % RSD_WSTAGES;
+    const u32 st = w_base + s * RSD_WSTAGE;
+    mbar_expect_tx(full + 8 * s, (I / 64) * (8192 + 1024));
+    for (int kt = 0; kt < I / 64; ++kt) {
+      const size_t r = ((size_t)e * (I / 64) + kt) * H + 256 * (tile0 + i);
+      bulk_copy_g2s(st + kt * RSD_KT_W, reinterpret_cast<const uint4*>(w2_packed) + 2 * r, 8192, full + 8 * s);
+      bulk_copy_g2s(st + (I / 64) * RSD_KT_W + kt * RSD_KT_S, w2_scale + 2 * r, 1024, full + 8 * s);
+    }
+  };
+  if (tid == 0) {
+    for (int s = 0; s < RSD_WSTAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, RS_THREADS);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the barriers are set up
+  if (tid == 0)
+    for (int i = 0; i < RSD_WSTAGES - 1; ++i) load_w(i);
   for (int q = tid; q < rows * (I / 8); q += RS_THREADS) {
     const int r = q / (I / 8), u = q - r * (I / 8);
     cp_async16(base + (u >> 3) * RS_HALF + r * 128 + (((u & 7) ^ (r & 7)) << 4), h + (size_t)(row0 + r) * I + 8 * u,
                true);
   }
+  cp_async_commit();
   if (tid < rows) {
     slot_of[tid] = sorted_slot[row0 + tid];
     weight_of[tid] = topk_weights[slot_of[tid]];
   }
-  // Weights of tile t: rows n = 256 t + 16 w + g (+ 8) of the tiled w2 ([E][I/64][H][8 words]); piece (chunk ch, row
-  // half rh) is half c & 1 of K tile 2 ch + (c >> 1). Offsets in uint4 and in scales alike.
-  const size_t at = (((size_t)e * (I / 64) + (c >> 1)) * H + 16 * warp + g) * 2 + (c & 1);
-  const uint4* w_src = reinterpret_cast<const uint4*>(w2_packed) + at;
-  const __nv_bfloat16* s_src = w2_scale + (at & ~(size_t)1);
-  auto load_w = [&](int i) {  // the block's i-th tile
-    if (i >= tiles) return;
-    const u32 st = w_base + (i % RSD_WSTAGES) * RSD_WSTAGE;
-    const size_t t_off = (size_t)(tile0 + i) * 256 * 2;
-    for (int pc = 0; pc < pieces; ++pc) {
-      const size_t off = t_off + (size_t)(pc >> 1) * 4 * H + (pc & 1) * 16;  // chunk: 2 K tiles of H rows x 2 pieces
-      cp_async16(st + (pc * RS_THREADS + tid) * 16, w_src + off, true);
-      cp_async4(st + RS_THREADS * RSD_PIECES * 16 + (pc * RS_THREADS + tid) * 4, s_src + off, true);
-    }
-  };
-  // Copy groups: h and tile 0, then one per tile (tile i + RSD_WSTAGES - 1 issued at tile i).
-  load_w(0);
-  cp_async_commit();
-#pragma unroll
-  for (int i = 1; i < RSD_WSTAGES - 1; ++i) {
-    load_w(i);
-    cp_async_commit();
-  }
-  cp_async_wait<RSD_WSTAGES - 2>();
+  cp_async_wait<0>();
   fence_proxy_async();
   __syncthreads();  // h rows and slots in place
+  // This thread's pieces in a stage: chunk ch, row half rh is half c & 1 of row 16 w + g + 8 rh of K tile
+  // 2 ch + (c >> 1); its scale pair's entry c & 1.
+  const int w_lane = (c >> 1) * RSD_KT_W + (16 * warp + g) * 32 + (c & 1) * 16;
+  const int s_lane = (I / 64) * RSD_KT_W + (c >> 1) * RSD_KT_S + (16 * warp + g) * 4 + (c & 1) * 2;
 
   float acc[NP / 2];
   for (int i = 0; i < tiles; ++i) {
-    if (i > 0) cp_async_wait<RSD_WSTAGES - 2>();  // this thread's pieces of tile i
-    load_w(i + RSD_WSTAGES - 1);  // into the slot of tile i - 1, read back already
-    cp_async_commit();
+    if (tid == 0 && i + RSD_WSTAGES - 1 < tiles) {  // into the stage of tile i - 1, once every thread has read it
+      if (i > 0) mbar_wait(empty + 8 * ((i - 1) % RSD_WSTAGES), ((i - 1) / RSD_WSTAGES) & 1);
+      load_w(i + RSD_WSTAGES - 1);
+    }
+    mbar_wait(full + 8 * (i % RSD_WSTAGES), (i / RSD_WSTAGES) & 1);
     const unsigned char* wst = sbase + RS_MT * RSD_MAX_I * 2 + (i % RSD_WSTAGES) * RSD_WSTAGE;
 #pragma unroll
     for (int v = 0; v < NP / 2; ++v) acc[v] = 0.f;
@@ -1205,33 +1259,42 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
       __nv_bfloat162 sv[2];
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
-        const int pc = 2 * ch + rh;
-        wv[rh] = *reinterpret_cast<const uint4*>(wst + (pc * RS_THREADS + tid) * 16);
-        sv[rh] = __bfloat162bfloat162(reinterpret_cast<const __nv_bfloat16*>(
-            wst + RS_THREADS * RSD_PIECES * 16 + (pc * RS_THREADS + tid) * 4)[c & 1]);
+        wv[rh] = *reinterpret_cast<const uint4*>(wst + w_lane + 2 * ch * RSD_KT_W + rh * 256);
+        sv[rh] = __bfloat162bfloat162(
+            *reinterpret_cast<const __nv_bfloat16*>(wst + s_lane + 2 * ch * RSD_KT_S + rh * 32));
       }
       rs_chunk(acc, wv[0], wv[1], sv[0], sv[1], base + 2 * ch * RS_HALF);
     }
+    mbar_arrive(empty + 8 * (i % RSD_WSTAGES));  // this thread's pieces of the stage are read
     wg_wait<0>();
     wg_pin(acc);
-    // acc[4 j + v]: output row g + 8 (v >> 1) of the warp's 16, token 8 j + 2 c + (v & 1). Lanes g and g ^ 1 swap
-    // halves so that each holds one token's outputs n0, n0 + 1 and n0 + 8, n0 + 9 (n0 even), weighted and rounded
-    // into the warpgroup's staging tile; its rows then go to y, 16 bytes per lane.
-    const int odd = g & 1, n0 = 16 * (warp & 3) + g - odd, wgt = tid & 127;  // n0 among the warpgroup's 64 outputs
+    // acc[4 j + v]: output row g + 8 (v >> 1) of the warp's 16, token 8 j + 2 c + (v & 1): per j and row half, an
+    // 8 x 8 matrix [outputs][tokens] in the mma fragment layout once weighted and rounded to bf16 pairs, which
+    // stmatrix.trans stores as [tokens][8 outputs], 16 bytes a token, into the warpgroup's staging tile; its rows then
+    // go to y, 16 bytes per lane. Lane 8 m + k addresses row k (token) of matrix m: (j + (m >> 1), half m & 1).
+    const int wgt = tid & 127;
     __nv_bfloat16* const y_tile = y + 256 * (tile0 + i) + 64 * (warp >> 2);
+    const u32 stsm_lane = smem_u32(y_stage) + (8 * (lane >> 4) + (lane & 7)) * RSD_YPITCH +
+                          (16 * (warp & 3) + 8 * ((lane >> 3) & 1)) * 2;
 #pragma unroll
     for (int r = 0; r < (NP + 31) / 32; ++r) {  // tokens 32 r .. 32 r + 31
       if (32 * r >= rows) break;
 #pragma unroll
-      for (int j = 4 * r; j < min(4 * r + 4, NP / 8); ++j) {
-        const float a0 = acc[4 * j], a1 = acc[4 * j + 1], b0 = acc[4 * j + 2], b1 = acc[4 * j + 3];
-        const float ra = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
-        const float rb = __shfl_xor_sync(0xffffffffu, odd ? b0 : b1, 4);
-        const int t = 8 * j + 2 * c + odd;
-        const float wt = t < rows ? weight_of[t] : 0.f;
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(y_stage + (t - 32 * r) * RSD_YPITCH) + n0 / 2;
-        dst[0] = __floats2bfloat162_rn(wt * (odd ? ra : a0), wt * (odd ? a1 : ra));
-        dst[4] = __floats2bfloat162_rn(wt * (odd ? rb : b0), wt * (odd ? b1 : rb));
+      for (int j = 4 * r; j < min(4 * r + 4, NP / 8); j += 2) {
+        u32 m[4];
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          if (j + jj >= NP / 8) {  // NP = 24: the last matrices hold no tokens of the pass (rows never copied)
+            m[2 * jj] = m[2 * jj + 1] = 0u;
+            continue;
+          }
+          const float2 wt = *reinterpret_cast<const float2*>(weight_of + 8 * (j + jj) + 2 * c);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+            m[2 * jj + hf] = bf2_bits(__floats2bfloat162_rn(wt.x * acc[4 * (j + jj) + 2 * hf],
+                                                           wt.y * acc[4 * (j + jj) + 2 * hf + 1]));
+        }
+        stmatrix_x4_trans(stsm_lane + (8 * j - 32 * r) * RSD_YPITCH, m);
       }
       bar_sync_wg(warp >> 2);
 #pragma unroll
@@ -1244,7 +1307,6 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
       bar_sync_wg(warp >> 2);  // the tile is read before the next round writes it
     }
   }
-  cp_async_wait<0>();
 #else
   __trap();
 #endif
