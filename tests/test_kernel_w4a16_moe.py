@@ -655,3 +655,61 @@ def test_cuda_wgmma_routed_in_prep_equals_route_then_moe():
     assert torch.equal(ids, unfused[1]) and torch.equal(weights, unfused[2])
     assert torch.equal(out, unfused[0])  # the wgmma family's sums are ordered: the same bits
     assert rel_err(out, w4a16_moe_reference(x.float(), *int4, ids, weights) + add.float()) < 1e-2
+
+
+def _prep_outputs(x, ids, E, mt, split: bool, monkeypatch):
+    """(x_perm, sorted_slot, passes) of w4a16_moe's prep, the sort in one block or split over blocks."""
+    import kdray.kernels.w4a16_moe as moe
+    from kdray.kernels.cuda_module import sm_count
+
+    monkeypatch.setattr(moe, "SORT_SPLIT_SLOTS", 0 if split else 1 << 30)
+    T, k = ids.shape
+    slots = T * k
+    sorted_slot = torch.full((slots,), -7, dtype=torch.int32, device="cuda")
+    passes = torch.full((1 + min(E, slots) + slots // mt, 4), -7, dtype=torch.int32, device="cuda")
+    x_perm = torch.full_like(x, 7.0)
+    moe._prep(x, ids, x_perm, sorted_slot, passes, None, E, x.shape[1], mt, sm_count(0))
+    return x_perm, sorted_slot, passes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, E, k, skip, mt", [
+    (3, 16, 2, 0.0, 128),  # fewer slots than one sort block takes
+    (1000, 32, 8, 0.2, 128),  # 8000 slots over 8 sort blocks, a fifth of them skipped
+    (4096, 384, 8, 0.0, 128),  # K2 TP8 at 4096 tokens: 32 sort blocks
+    (2500, 1030, 6, 0.1, 64),  # more experts than threads: two per thread in the scans
+])
+def test_cuda_split_sort_equals_one_block(T, E, k, skip, mt, monkeypatch):
+    """The split sort gives the one-block sort's passes and x permutation and places each kept slot once, in its
+    expert's rows (in any order within the expert, as the one block's atomics do: the GEMMs' rows are independent)."""
+    gen = torch.Generator("cuda").manual_seed(15)
+    x = torch.randn(T, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, _ = _routing(T, E, k, "cuda", skip=skip, gen=gen)
+    one = _prep_outputs(x, ids, E, mt, False, monkeypatch)
+    split = _prep_outputs(x, ids, E, mt, True, monkeypatch)
+    assert torch.equal(split[0], one[0])
+    n = int(one[2][0, 0])
+    assert n == int(split[2][0, 0]) and torch.equal(split[2][: 1 + n], one[2][: 1 + n])
+    flat, kept = ids.flatten(), int((ids >= 0).sum())
+    assert torch.equal(split[1][kept:], one[1][kept:])  # rows past the kept slots: untouched
+    for e, row0, rows, _ in split[2][1: 1 + n].tolist():
+        mine = split[1][row0: row0 + rows].long()
+        assert torch.equal(flat[mine], torch.full_like(mine, e))
+    assert torch.equal(split[1][:kept].long().sort().values, (ids.flatten() >= 0).nonzero().flatten())
+
+
+@pytest.mark.gpu
+def test_cuda_split_sort_gives_the_same_bits(monkeypatch):
+    """The MoE's output with the split sort equals the one-block sort's, bit for bit."""
+    import kdray.kernels.w4a16_moe as moe
+
+    gen = torch.Generator("cuda").manual_seed(16)
+    T, H, I, E, k = 1000, 1024, 256, 32, 8
+    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _ragged_routing(T, E, k, gen)
+    monkeypatch.setattr(moe, "SORT_SPLIT_SLOTS", 1 << 30)
+    one = w4a16_moe(x, *tiled, ids, weights)
+    monkeypatch.setattr(moe, "SORT_SPLIT_SLOTS", 0)
+    poison_allocator()
+    assert torch.equal(w4a16_moe(x, *tiled, ids, weights), one)

@@ -17,7 +17,9 @@ verify step's MoE can be captured in a CUDA graph:
    expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
    ldmatrix loads read (see the .cu; the wgmma family's ``rs`` reads it too, the skinny path does not).
    ``routed_w4a16_moe`` at few tokens launches ``moe_route_prep`` (``cuda/moe_route.cu``) instead: block 0
-   routes the tokens (``moe_route``'s math, a warp per token) before it sorts them.
+   routes the tokens (``moe_route``'s math, a warp per token) before it sorts them. Over ``SORT_SPLIT_SLOTS``
+   pairs the sort is split: ``moe_prep_count`` counts slot ranges by expert in up to ``SORT_BLOCKS`` blocks (beside
+   the permutation), then ``moe_prep_place`` places each range's slots.
 2. ``moe_up_*``: per (pass, N tile) the gate/up GEMM with INT4 dequantized in registers, SiLU(gate) * up
    fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
 3. ``moe_down_*``: the down GEMM over ``h``; each row scaled by its routing weight and written as that (token,
@@ -99,6 +101,11 @@ WG_SMEM_RES = {1: 1024 + 64 * 512 + 8 * 9216 + 2 * 32768, 2: 1024 + 128 * 512 + 
 # Each slot's output row (bf16 [T * k, H]) is kept for the ordered sum: at most this many tokens per launch sequence
 # (K2 TP8: 1.9 GB, the size an fp32 accumulator of 64k tokens had); longer batches run in chunks.
 CHUNK_TOKENS = 16384
+# Over this many (token, slot) pairs the MoE's sort runs on up to SORT_BLOCKS blocks of 1024 threads instead of one,
+# whose shared-memory atomics bound it (H200, K2 TP8, graph-replayed: the one block's sort alone took 45 of moe_prep's
+# 56 us at 4096 tokens, 155 of 200 at 16384; split, the prep took 49.5 and 151-154; even at 2080 tokens, and 1 us
+# slower at 1024, where the second launch costs more than the sort).
+SORT_SPLIT_SLOTS, SORT_BLOCKS = 16384, 32
 ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
 ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
@@ -388,7 +395,7 @@ def _mma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
     y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # skipped ids' rows: unwritten, read and dropped
     if variant == SKINNY:  # persistent blocks over (pass, column tile) items: at most a wave; x and h as they are
         h = torch.empty(slots, I, dtype=torch.bfloat16, device=dev)
-        _prep(x, topk_ids, None, sorted_slot, passes, routing, E, H, mt, sms)  # the sort only: one block
+        _prep(x, topk_ids, None, sorted_slot, passes, routing, E, H, mt, sms)  # the sort only
         up_items = max_passes * (I // 16)
         warps, blocks, ahead = _skinny_up_form(up_items, sms)
         launch("w4a16_moe", f"moe_up_skinny_w{warps}_b{blocks}_a{ahead}", (min(up_items, blocks * sms),),
@@ -435,14 +442,25 @@ def _skinny_up_form(items: int, sms: int) -> tuple[int, int, int]:
 def _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms):
     """moe_prep: block 0 sorts the slots by expert into passes of at most ``mt`` rows (1024 threads, 2E ints of shared
     memory); the other blocks, when there is an ``x_perm`` to write, permute x into it (a thread per 16-byte piece).
-    With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in block 0 first."""
+    With ``routing`` (from :func:`routed_w4a16_moe`) moe_route_prep routes the tokens in block 0 first. Over
+    ``SORT_SPLIT_SLOTS`` slots the sort is split over blocks: moe_prep_count, then moe_prep_place."""
     from kdray.kernels.cuda_module import launch
 
     T, k = topk_ids.shape
     i32 = np.int32
     perm_blocks = 0 if x_perm is None else min(4 * sms, math.ceil(T * _round128(H) // 8 / 1024))
     prep = (x, 0 if x_perm is None else x_perm, sorted_slot, passes)
-    if routing is None:
+    if routing is None and T * k > SORT_SPLIT_SLOTS:
+        S = min(SORT_BLOCKS, math.ceil(T * k / 1024))
+        chunk = math.ceil(T * k / S)
+        hist = torch.empty(S, E, dtype=torch.int32, device=x.device)  # [S, E]: each sort block's count per expert
+        launch("w4a16_moe", "moe_prep_count", (S + perm_blocks,), (1024,),
+               (topk_ids, x, prep[1], hist, i32(T), i32(k), i32(E), i32(H), i32(S), i32(chunk)),
+               shared_mem=4 * E, device=x.device)
+        launch("w4a16_moe", "moe_prep_place", (S,), (1024,),
+               (topk_ids, hist, sorted_slot, passes, i32(T), i32(k), i32(E), i32(mt), i32(S), i32(chunk)),
+               shared_mem=4 * E, device=x.device)
+    elif routing is None:
         launch("w4a16_moe", "moe_prep", (1 + perm_blocks,), (1024,),
                (topk_ids, *prep, i32(T), i32(k), i32(E), i32(H), i32(mt)), shared_mem=8 * E, device=x.device)
     else:

@@ -30,12 +30,13 @@ __device__ int block_exclusive_scan(int v, int* sums, int* total) {
   return r;
 }
 
-// Blocks 1..P of the grid, a thread per 16-byte piece: x_perm [T, Hp] (Hp = H rounded up to 128) = x in the
+// Blocks first.. of the grid, a thread per 16-byte piece: x_perm [T, Hp] (Hp = H rounded up to 128) = x in the
 // logical k order (see w4a16_moe.cu), zero past H (the launch has no such blocks for the families that read x as it
 // is).
-__device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4* __restrict__ x_perm, int T, int H) {
-  const int pieces = (H + 127) / 128 * 16, stride = (gridDim.x - 1) * blockDim.x;  // 16-byte pieces per row
-  for (int i = (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < T * pieces; i += stride) {
+__device__ __forceinline__ void moe_permute_x(const uint4* __restrict__ x, uint4* __restrict__ x_perm, int T, int H,
+                                              int first) {
+  const int pieces = (H + 127) / 128 * 16, stride = (gridDim.x - first) * blockDim.x;  // 16-byte pieces per row
+  for (int i = (blockIdx.x - first) * blockDim.x + threadIdx.x; i < T * pieces; i += stride) {
     // Piece u = 2 s + h of a chunk holds, as word c, k (32c + 8(s>>1) + 2(s&1) + h, +4) of the chunk: half h of
     // words (s & 1) and (s & 1) + 2 of the chunk's 8-group 4c + (s >> 1).
     const int t = i / pieces, p = i % pieces, u = p & 15, s = u >> 1;
@@ -62,52 +63,105 @@ __device__ __forceinline__ void load_ids(const Id* ids, int i0, int slots, long 
   }
 }
 
+// count[id] += 1 for the kept ids (0 <= id < E) of slots [s0, s1), by a block. The ids are read SORT_BATCH per
+// thread at a time: read one at a time, each id waited out a global load (H200, K2 TP8: moe_prep 67 -> 49 us at
+// 4096 x 8 slots, 264 -> 203 at 16384).
+template <typename Id>
+__device__ __forceinline__ void count_ids(const Id* ids, int s0, int s1, int E, int* count) {
+  for (int i0 = s0 + threadIdx.x; i0 < s1; i0 += SORT_BATCH * blockDim.x) {
+    long long id[SORT_BATCH];
+    load_ids(ids, i0, s1, id);
+#pragma unroll
+    for (int b = 0; b < SORT_BATCH; ++b)
+      if (id[b] >= 0 && id[b] < E) atomicAdd(&count[id[b]], 1);
+  }
+}
+
+// sorted_slot[cursor[id]++] = slot for the kept ids of slots [s0, s1), by a block.
+template <typename Id>
+__device__ __forceinline__ void place_ids(const Id* ids, int s0, int s1, int E, int* cursor,
+                                          int* __restrict__ sorted_slot) {
+  for (int i0 = s0 + threadIdx.x; i0 < s1; i0 += SORT_BATCH * blockDim.x) {
+    long long id[SORT_BATCH];
+    load_ids(ids, i0, s1, id);
+#pragma unroll
+    for (int b = 0; b < SORT_BATCH; ++b)
+      if (id[b] >= 0 && id[b] < E) sorted_slot[atomicAdd(&cursor[id[b]], 1)] = i0 + b * blockDim.x;
+  }
+}
+
+// The experts' rows in expert order, by a 1024-thread block: rows_of(e) rows each; cursor[e] = the expert's first row
+// + skip(e); with write_passes, passes[0].x = pass count and passes[1 + p] = (expert, first row, rows <= mt, 0).
+template <class Rows, class Skip>
+__device__ __forceinline__ void plan_rows(Rows rows_of, Skip skip, int* cursor, int4* __restrict__ passes,
+                                          bool write_passes, int E, int mt) {
+  __shared__ int sums[33];
+  // Each thread owns experts [e0, e1): row offsets and pass offsets by two block scans.
+  const int tid = threadIdx.x, per = (E + blockDim.x - 1) / blockDim.x, e0 = min(E, tid * per),
+            e1 = min(E, e0 + per);
+  int rows = 0, npass = 0, total;
+  for (int e = e0; e < e1; ++e) {
+    const int c = rows_of(e);
+    rows += c;
+    npass += (c + mt - 1) / mt;
+  }
+  int row = block_exclusive_scan(rows, sums, &total);
+  int p = block_exclusive_scan(npass, sums, &total);
+  if (write_passes && tid == 0) passes[0] = make_int4(total, 0, 0, 0);
+  for (int e = e0; e < e1; ++e) {
+    const int c = rows_of(e);
+    cursor[e] = row + skip(e);
+    if (write_passes)
+      for (int r0 = 0; r0 < c; r0 += mt) passes[1 + p++] = make_int4(e, row + r0, min(mt, c - r0), 0);
+    row += c;
+  }
+}
+
 // Block 0 (1024 threads): sorts the T*k (token, slot) pairs of ids [T, k] by expert into sorted_slot (-1 /
 // out-of-range ids dropped) and writes passes[0].x = pass count, passes[1 + p] = (expert, first sorted row,
 // rows <= mt, 0). sm: 2E ints of shared memory. Id: long long (global ids) or int (ids in shared memory).
 template <typename Id>
 __device__ __forceinline__ void moe_sort_slots(const Id* ids, int* sm, int* __restrict__ sorted_slot,
                                                int4* __restrict__ passes, int T, int k, int E, int mt) {
-  __shared__ int sums[33];
   int* count = sm;       // [E]
   int* cursor = sm + E;  // [E]
-  const int slots = T * k, tid = threadIdx.x;
-  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  // The ids are read SORT_BATCH per thread at a time: read one at a time, each id waited out a global load (H200,
-  // K2 TP8: moe_prep 67 -> 49 us at 4096 x 8 slots, 264 -> 203 at 16384).
-  for (int i0 = tid; i0 < slots; i0 += SORT_BATCH * blockDim.x) {
-    long long id[SORT_BATCH];
-    load_ids(ids, i0, slots, id);
-#pragma unroll
-    for (int b = 0; b < SORT_BATCH; ++b)
-      if (id[b] >= 0 && id[b] < E) atomicAdd(&count[id[b]], 1);
-  }
+  count_ids(ids, 0, T * k, E, count);
   __syncthreads();
-  // Each thread owns experts [e0, e1): row offsets and pass offsets by two block scans.
-  const int per = (E + blockDim.x - 1) / blockDim.x, e0 = min(E, tid * per), e1 = min(E, e0 + per);
-  int rows = 0, npass = 0, total;
-  for (int e = e0; e < e1; ++e) {
-    rows += count[e];
-    npass += (count[e] + mt - 1) / mt;
-  }
-  int row = block_exclusive_scan(rows, sums, &total);
-  int p = block_exclusive_scan(npass, sums, &total);
-  if (tid == 0) passes[0] = make_int4(total, 0, 0, 0);
-  for (int e = e0; e < e1; ++e) {
-    const int c = count[e];
-    cursor[e] = row;
-    for (int r0 = 0; r0 < c; r0 += mt) passes[1 + p++] = make_int4(e, row + r0, min(mt, c - r0), 0);
-    row += c;
-  }
+  plan_rows([&](int e) { return count[e]; }, [](int) { return 0; }, cursor, passes, true, E, mt);
   __syncthreads();
-  for (int i0 = tid; i0 < slots; i0 += SORT_BATCH * blockDim.x) {
-    long long id[SORT_BATCH];
-    load_ids(ids, i0, slots, id);
-#pragma unroll
-    for (int b = 0; b < SORT_BATCH; ++b)
-      if (id[b] >= 0 && id[b] < E) sorted_slot[atomicAdd(&cursor[id[b]], 1)] = i0 + b * blockDim.x;
-  }
+  place_ids(ids, 0, T * k, E, cursor, sorted_slot);
+}
+
+// The sort split over S blocks for many slots (one block's shared-memory atomics took 45 of moe_prep's 55 us at
+// 4096 x 8 slots on an H200): block b of the first launch counts slots [b chunk, b chunk + chunk) by expert into
+// hist [S][E] (moe_count_slots); block b of the second reads every block's counts, so that its slots go after those
+// of blocks < b within each expert, and places them (moe_place_slots). Same outputs as moe_sort_slots (an expert's
+// rows in another order, as the atomics give any). sm: E ints.
+__device__ __forceinline__ void moe_count_slots(const long long* ids, int* count, int* __restrict__ hist, int slots,
+                                                int chunk, int E) {
+  const int s0 = blockIdx.x * chunk;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  count_ids(ids, s0, min(slots, s0 + chunk), E, count);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(size_t)blockIdx.x * E + e] = count[e];
+}
+
+__device__ __forceinline__ void moe_place_slots(const long long* ids, const int* __restrict__ hist, int* cursor,
+                                                int* __restrict__ sorted_slot, int4* __restrict__ passes, int slots,
+                                                int chunk, int S, int E, int mt) {
+  const int blk = blockIdx.x, s0 = blk * chunk;
+  auto rows_in = [&](int e, int blocks) {  // expert e's rows in blocks [0, blocks)
+    int c = 0;
+    for (int j = 0; j < blocks; ++j) c += hist[j * E + e];
+    return c;
+  };
+  plan_rows([&](int e) { return rows_in(e, S); }, [&](int e) { return rows_in(e, blk); }, cursor, passes, blk == 0,
+            E, mt);
+  __syncthreads();
+  place_ids(ids, s0, min(slots, s0 + chunk), E, cursor, sorted_slot);
 }
 
 // moe_sort_slots for T * k <= 32 slots, by one warp and no block barrier: lane i holds slot i, its rank among the

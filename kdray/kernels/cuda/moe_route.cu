@@ -46,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) moe_route_prep(
   griddep_wait();  // the expert GEMMs are launched as this ends, not now: their blocks would take the SMs that the
                    // shared experts, on their own stream, use meanwhile
   if (blockIdx.x > 0) {
-    moe_permute_x(x, x_perm, T, H);
+    moe_permute_x(x, x_perm, T, H, 1);
     return;
   }
   extern __shared__ int sm[];

@@ -89,9 +89,31 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prep(
   griddep_wait();  // no early launch of the expert GEMMs (see moe_route_prep)
   extern __shared__ int sm[];
   if (blockIdx.x > 0)
-    moe_permute_x(x, x_perm, T, H);
+    moe_permute_x(x, x_perm, T, H, 1);
   else
     moe_sort_slots(topk_ids, sm, sorted_slot, passes, T, k, E, mt);
+}
+
+// The split sort for many slots (moe_prep.cuh): moe_prep_count, grid (S + P), block 1024, dynamic shared memory
+// 4 * E bytes: blocks 0..S-1 count the slots of chunk each into hist [S][E], the others permute x; then
+// moe_prep_place, grid (S), the same block and shared memory: sorted_slot and passes as moe_prep's.
+extern "C" __global__ void __launch_bounds__(1024) moe_prep_count(
+    const long long* __restrict__ topk_ids, const uint4* __restrict__ x, uint4* __restrict__ x_perm,
+    int* __restrict__ hist, int T, int k, int E, int H, int S, int chunk) {
+  griddep_wait();  // (no early launch of the next kernel: its blocks would take the SMs the permutation runs on)
+  extern __shared__ int sm[];
+  if (blockIdx.x >= S)
+    moe_permute_x(x, x_perm, T, H, S);
+  else
+    moe_count_slots(topk_ids, sm, hist, T * k, chunk, E);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_prep_place(
+    const long long* __restrict__ topk_ids, const int* __restrict__ hist, int* __restrict__ sorted_slot,
+    int4* __restrict__ passes, int T, int k, int E, int mt, int S, int chunk) {
+  griddep_wait();
+  extern __shared__ int sm[];
+  moe_place_slots(topk_ids, hist, sm, sorted_slot, passes, T * k, chunk, S, E, mt);
 }
 
 // One GEMM of a pass: out[m, n] = sum_k A[m, k] * W[e][n, k] for the pass's rows m and the block's N tiles.
