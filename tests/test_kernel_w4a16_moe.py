@@ -695,7 +695,7 @@ def test_cuda_split_sort_equals_one_block(T, E, k, skip, mt, monkeypatch):
     for e, row0, rows, _ in split[2][1: 1 + n].tolist():
         mine = split[1][row0: row0 + rows].long()
         assert torch.equal(flat[mine], torch.full_like(mine, e))
-    assert torch.equal(split[1][:kept].long().sort().values, (ids.flatten() >= 0).nonzero().flatten())
+    assert torch.equal(split[1][:kept].long().sort().values, (flat >= 0).nonzero().flatten())
 
 
 @pytest.mark.gpu

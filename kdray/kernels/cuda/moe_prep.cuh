@@ -63,31 +63,31 @@ __device__ __forceinline__ void load_ids(const Id* ids, int i0, int slots, long 
   }
 }
 
-// count[id] += 1 for the kept ids (0 <= id < E) of slots [s0, s1), by a block. The ids are read SORT_BATCH per
-// thread at a time: read one at a time, each id waited out a global load (H200, K2 TP8: moe_prep 67 -> 49 us at
-// 4096 x 8 slots, 264 -> 203 at 16384).
-template <typename Id>
-__device__ __forceinline__ void count_ids(const Id* ids, int s0, int s1, int E, int* count) {
+// f(id, slot) for the kept ids (0 <= id < E) of slots [s0, s1), by a block. The ids are read SORT_BATCH per thread at
+// a time: read one at a time, each id waited out a global load (H200, K2 TP8: moe_prep 67 -> 49 us at 4096 x 8
+// slots, 264 -> 203 at 16384).
+template <typename Id, class F>
+__device__ __forceinline__ void for_kept_ids(const Id* ids, int s0, int s1, int E, F f) {
   for (int i0 = s0 + threadIdx.x; i0 < s1; i0 += SORT_BATCH * blockDim.x) {
     long long id[SORT_BATCH];
     load_ids(ids, i0, s1, id);
 #pragma unroll
     for (int b = 0; b < SORT_BATCH; ++b)
-      if (id[b] >= 0 && id[b] < E) atomicAdd(&count[id[b]], 1);
+      if (id[b] >= 0 && id[b] < E) f((int)id[b], i0 + b * blockDim.x);
   }
 }
 
-// sorted_slot[cursor[id]++] = slot for the kept ids of slots [s0, s1), by a block.
+// count[id] += 1 for the kept ids of slots [s0, s1).
+template <typename Id>
+__device__ __forceinline__ void count_ids(const Id* ids, int s0, int s1, int E, int* count) {
+  for_kept_ids(ids, s0, s1, E, [&](int id, int) { atomicAdd(&count[id], 1); });
+}
+
+// sorted_slot[cursor[id]++] = slot for the kept ids of slots [s0, s1).
 template <typename Id>
 __device__ __forceinline__ void place_ids(const Id* ids, int s0, int s1, int E, int* cursor,
                                           int* __restrict__ sorted_slot) {
-  for (int i0 = s0 + threadIdx.x; i0 < s1; i0 += SORT_BATCH * blockDim.x) {
-    long long id[SORT_BATCH];
-    load_ids(ids, i0, s1, id);
-#pragma unroll
-    for (int b = 0; b < SORT_BATCH; ++b)
-      if (id[b] >= 0 && id[b] < E) sorted_slot[atomicAdd(&cursor[id[b]], 1)] = i0 + b * blockDim.x;
-  }
+  for_kept_ids(ids, s0, s1, E, [&](int id, int slot) { sorted_slot[atomicAdd(&cursor[id], 1)] = slot; });
 }
 
 // The experts' rows in expert order, by a 1024-thread block: rows_of(e) rows each; cursor[e] = the expert's first row
