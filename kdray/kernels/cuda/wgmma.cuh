@@ -46,6 +46,10 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
 __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of the tile `off` bytes past desc's: only the start field changes (it cannot carry below 256 KB).
+__device__ __forceinline__ u64 wg_desc_add(u64 desc, u32 off) {
+  return (desc & ~0xFFFFFFFFull) | (u32)((u32)desc + (off >> 4));
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
