@@ -59,6 +59,48 @@ def test_every_kernel_waits_for_the_kernels_ahead():
     assert not missing, f"kernels launched dependently in graphs but never calling griddep_wait(): {missing}"
 
 
+def test_a_changed_header_changes_the_options_of_the_files_including_it(tmp_path, monkeypatch):
+    """CuPy's kernel cache keys a module on its source text and options: an edited header must change the options of
+    every file that includes it (else the stale cached kernel loads), and only theirs."""
+    import shutil
+    import sys
+    import types
+
+    for path in CUDA_DIR.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple[str, ...]):
+            self.options = options
+
+        def compile(self):
+            pass
+
+    class Device:
+        def __init__(self, index: int):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule,
+                                                                   cuda=types.SimpleNamespace(Device=Device)))
+    monkeypatch.setattr(cuda_module, "CUDA_DIR", tmp_path)
+    monkeypatch.setattr(cuda_module, "_arch", lambda index: "sm_90a")
+    load = cuda_module.load_module.__wrapped__  # not the cached one
+    names = ("w4a16_moe", "tree_verify_attention", "moe_route", "rmsnorm")
+    before = {n: load(n, 0).options for n in names}
+    assert {n: load(n, 0).options for n in names} == before  # the same files, the same options
+    (tmp_path / "wgmma.cuh").write_text((tmp_path / "wgmma.cuh").read_text() + "\n// edited\n")
+    after = {n: load(n, 0).options for n in names}
+    assert after["w4a16_moe"] != before["w4a16_moe"]
+    assert after["tree_verify_attention"] != before["tree_verify_attention"]
+    assert after["moe_route"] == before["moe_route"] and after["rmsnorm"] == before["rmsnorm"]  # neither includes it
+
+
 def test_launch_structs_have_the_driver_layout():
     assert ctypes.sizeof(cuda_module._LaunchAttribute) == 72  # id, pad to 8, a 64-byte union
     assert ctypes.sizeof(cuda_module._LaunchConfig) == 56

@@ -1,6 +1,8 @@
 """Compile-once loader for the CUDA sources in ``kernels/cuda`` and launches on torch's current stream.
 
-Kernels are compiled by CuPy (NVRTC) the first time an op needs them and cached per (file, arch).
+Kernels are compiled by CuPy (NVRTC) the first time an op needs them and cached per (file, arch). CuPy's disk cache
+keys a module on its source text and options, not on the headers it includes, so the options carry a digest of the
+``cuda/*.cuh`` headers the file includes: a changed header compiles anew instead of loading a stale cached kernel.
 Launches go to ``torch.cuda.current_stream()``, so they order with torch work and can be captured
 in a CUDA graph; nothing here synchronises the host or allocates device memory.
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +41,28 @@ def load_module(name: str, device_index: int = 0, defines: tuple[tuple[str, int]
     src_path = CUDA_DIR / f"{name}.cu"
     if not src_path.is_file():
         raise FileNotFoundError(f"CUDA source {src_path} is missing from the kdray package")
-    options = ("-std=c++17", f"-arch={_arch(device_index)}", "--use_fast_math", f"-I{CUDA_DIR}") + tuple(
-        f"-D{k}={v}" for k, v in defines)
+    src = src_path.read_text()
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in included_headers(src))).hexdigest()[:16]
+    options = ("-std=c++17", f"-arch={_arch(device_index)}", "--use_fast_math", f"-I{CUDA_DIR}",
+               f"-DKDRAY_HEADERS_DIGEST=0x{headers}") + tuple(f"-D{k}={v}" for k, v in defines)
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=src_path.read_text(), options=options)
+        module = cupy.RawModule(code=src, options=options)
         module.compile()
     return module
+
+
+def included_headers(src: str) -> list[Path]:
+    """The ``cuda/`` headers that ``src`` includes (``#include "name"``), directly or through one another, each once,
+    in a fixed order."""
+    found: list[Path] = []
+    todo = [src]
+    while todo:
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', todo.pop(), re.M):
+            path = CUDA_DIR / name
+            if path not in found:
+                found.append(path)
+                todo.append(path.read_text())
+    return found
 
 
 @functools.cache
