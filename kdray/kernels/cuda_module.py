@@ -42,16 +42,16 @@ def load_module(name: str, device_index: int = 0, defines: tuple[tuple[str, int]
     if not src_path.is_file():
         raise FileNotFoundError(f"CUDA source {src_path} is missing from the kdray package")
     src = src_path.read_text()
-    headers = hashlib.sha256(b"".join(h.read_bytes() for h in included_headers(src))).hexdigest()[:16]
+    header_digest = hashlib.sha256(b"".join(h.read_bytes() for h in _included_headers(src))).hexdigest()[:16]
     options = ("-std=c++17", f"-arch={_arch(device_index)}", "--use_fast_math", f"-I{CUDA_DIR}",
-               f"-DKDRAY_HEADERS_DIGEST=0x{headers}") + tuple(f"-D{k}={v}" for k, v in defines)
+               f"-DKDRAY_HEADERS_DIGEST=0x{header_digest}") + tuple(f"-D{k}={v}" for k, v in defines)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=src, options=options)
         module.compile()
     return module
 
 
-def included_headers(src: str) -> list[Path]:
+def _included_headers(src: str) -> list[Path]:
     """The ``cuda/`` headers that ``src`` includes (``#include "name"``), directly or through one another, each once,
     in a fixed order."""
     found: list[Path] = []
