@@ -123,11 +123,12 @@ __device__ __forceinline__ void qk_tile(float (&s)[32], u32 sQ, u32 sK, int wq, 
   for (int i = 0; i < 32; ++i) s[i] = 0.f;
 #ifdef TVA_WGMMA
   (void)wq; (void)lane;
+  const u64 dq = wg_desc(sQ, 16, 1024), dk = wg_desc(sK, 16, 1024);
   wg_fence();
 #pragma unroll
   for (int ks = 0; ks < DK / 16; ++ks) {
     const u32 off = (ks >> 2) * 8192 + (ks & 3) * 32;  // 64-column chunk, then 16 columns inside it
-    wgmma_ss(s, wg_desc(sQ + off, 16, 1024), wg_desc(sK + off, 16, 1024), ks > 0);
+    wgmma_ss(s, wg_desc_add(dq, off), wg_desc_add(dk, off), ks > 0);
   }
   wg_commit();
   wg_wait_all();
@@ -153,11 +154,12 @@ template <int NW>
 __device__ __forceinline__ void pv_tile(float (&o)[NW / 2], const u32 (&p)[4][4], u32 sV, int c0, int lane) {
 #ifdef TVA_WGMMA
   (void)lane;
+  const u64 dv = wg_desc(sV + (c0 / 64) * 8192, 8192, 1024);
   wg_pin(o);
   wg_fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)  // 16 keys = two 8-row groups (SBO); 64 value columns per chunk (LBO)
-    wgmma_rs<1>(o, p[ks], wg_desc(sV + (c0 / 64) * 8192 + ks * 2048, 8192, 1024));
+    wgmma_rs<1>(o, p[ks], wg_desc_add(dv, ks * 2048));
   wg_commit();
   wg_wait_all();
   wg_pin(o);
