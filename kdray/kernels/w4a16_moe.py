@@ -37,7 +37,7 @@ path (``VARIANTS``: weights staged through a cp.async pipeline in shared memory,
 family's chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
 (``moe_up_rs``, ``moe_down_rs``): the weights are wgmma's A operand, dequantized into registers in the tile path's k
 order, and the pass's rows (x permuted by the prep into that order; h written in it) its N columns, N the rows
-rounded up to 8 up to 32 (at least 16), then to 16; with I > ``RSD_MAX_I`` its down GEMM is ``wg128``'s. ``wg64``
+rounded up to a multiple of 8 (at least 16); with I > ``RSD_MAX_I`` its down GEMM is ``wg128``'s. ``wg64``
 and ``wg128`` (64- or 128-row passes, kept for sweeps) stream N tiles of 256 weight rows, 64 k per stage, the INT4
 tile dequantized once per pass into bf16 shared memory and both wgmma operands from there, x and h in natural k
 order. Every family runs batches of more than ``CHUNK_TOKENS`` tokens in chunks.

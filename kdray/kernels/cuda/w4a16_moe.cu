@@ -842,10 +842,11 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
     // stage s + STAGES - 1 and its B buffer the dequantized stage s + 1.
     const u32 a_st = (RES ? base + kt * C::M * 128 : raw_base + slot * C::STAGE) + wg_m * 64 * 128;
     const u32 b_st = b_base + (s & 1) * C::B_BYTES + wg_n * C::NW * 128;
+    const u64 da = wg_desc(a_st, 16, 1024), db = wg_desc(b_st, 16, 1024);
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)  // k16 steps: +32 bytes inside the 128-byte swizzled rows
-      wgmma_ss(acc, wg_desc(a_st + 32 * ks, 16, 1024), wg_desc(b_st + 32 * ks, 16, 1024), kt > 0 || ks > 0);
+      wgmma_ss(acc, wg_desc_add(da, 32 * ks), wg_desc_add(db, 32 * ks), kt > 0 || ks > 0);
     wg_commit();
     wg_wait<1>();                    // this warpgroup's wgmma(s - 1) is done
     cp_async_wait<C::STAGES - 3>();  // stage s + 1 has landed (this thread's copies)
@@ -938,20 +939,20 @@ __device__ __forceinline__ void moe_wgmma_gemm(const __nv_bfloat16* __restrict__
 MOE_WGMMA(wg64, 1)   // 64-row passes: both warpgroups on the same rows, 128 columns each
 MOE_WGMMA(wg128, 2)  // 128-row passes: a warpgroup per 64 rows, all 256 columns each
 
-// Swapped gate/up GEMM (moe_up_rs; sm_90a): the wgmma family's up GEMM transposed, for passes of up to RS_MT rows.
-// The weights are wgmma's A operand, dequantized from each thread's 16-byte pieces straight into registers in the
-// tile path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage);
-// the pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns (with_pass_n),
-// staged by cp.async in 128B-swizzled shared memory that the block's four warpgroups share. A block owns HV halves
-// of 128 outputs of h: warp w the outputs o = 128 (blockIdx.x + hf) + 8 w + g, as A rows g (gate) and g + 8 (up), so
-// each thread holds gate and up of its outputs for the same tokens. A pass of up to RS_PAIR_ROWS rows takes HV = 2:
-// the even block of each pair of halves does both (its odd partner exits), so the pass's x rows are read once for
-// both, and the block streams twice the weights a chunk (more bytes in flight); larger passes, whose accumulators
-// would not fit twice, take HV = 1. Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its weight rows (one
-// scale each) from the chunk's weight stage, which thread 0 fills by TMA bulk copies 3 chunks ahead (the block's 128
-// HV gate or up rows of a K tile are 4 HV KB contiguous in the tiled layout; H200: 3-8% faster than every thread
-// copying its own 16-byte pieces); word q of that piece feeds k16 steps 2q and 2q + 1. h (natural k order for the
-// wgmma down GEMM, the logical one for moe_down_rs: h_logical) goes out through shared memory, 16 bytes per store.
+// Swapped gate/up GEMM (moe_up_rs; sm_90a): the wgmma family's up GEMM transposed, for passes of up to RS_MT rows. The
+// weights are wgmma's A operand, dequantized from each thread's 16-byte pieces straight into registers in the tile
+// path's k order (dequant_word: no bf16 copy of the weights in shared memory, no barrier per dequantized stage); the
+// pass's rows of x_perm (that logical k order; moe_prep writes it) are its N columns (with_pass_n), staged by cp.async
+// in 128B-swizzled shared memory that the block's four warpgroups share. A block owns HV halves of 128 outputs of h:
+// warp w the outputs o = 128 (blockIdx.x + hf) + 8 w + g, as A rows g (gate) and g + 8 (up), so each thread holds gate
+// and up of its outputs for the same tokens. A pass of up to RS_PAIR_ROWS rows takes HV = 2: the even block of each
+// pair of halves does both (its odd partner exits), so the pass's x rows are read once for both, and the block streams
+// twice the weights a chunk (more bytes in flight); larger passes, whose accumulators would not fit twice, take HV = 1.
+// Per 128-k chunk, lane (g, c) takes k [32 c, 32 c + 32) of its weight rows (one scale each) from the chunk's weight
+// stage, which eight producer lanes (producer_copy) fill by TMA bulk copies 3 chunks ahead (the block's 128 HV gate or
+// up rows of a K tile are 4 HV KB contiguous in the tiled layout; H200: 3-8% faster than every thread copying its own
+// 16-byte pieces); word q of that piece feeds k16 steps 2q and 2q + 1. h (natural k order for the wgmma down GEMM, the
+// logical one for moe_down_rs: h_logical) goes out through shared memory, 16 bytes per store.
 // Launch: grid (I / 128, max_passes), block RS_THREADS, shared RS_SMEM bytes; H % 256 == 0, I % 128 == 0.
 #define RS_MT 128                      // rows per pass
 #define RS_THREADS 512                 // four warpgroups, 64 weight rows each
@@ -982,6 +983,12 @@ __device__ __forceinline__ int logical_pos(int k) {
   const int c = k >> 5, q = (k >> 3) & 3, i = (k >> 2) & 1, s1 = (k >> 1) & 1, h = k & 1;
   return 16 * (2 * q + s1) + 8 * h + 2 * c + i;
 }
+
+// The swapped GEMMs' weight copies (TMA) are issued by lane 0 of eight warps, one copy each: copy q by warp 5 q mod
+// 16, two warps of each warpgroup on each SM sub-partition. This returns the copy q of a warp (q >= 8: none). (H200,
+// K2 TP8, in the MoE: thread 0 issuing all eight, ~20 instructions each, took moe_down_rs 4-9% longer, the whole MoE
+// 504 -> 481 us at 1024 tokens, 987 -> 969 at 4096.)
+__device__ __forceinline__ int producer_copy(int warp) { return (13 * warp) & 15; }  // 13 = 5^-1 mod 16
 
 // acc += A x B over one 128-k chunk, for moe_up_rs and moe_down_rs: A is this warp's 16 rows, row g from piece w0
 // (scale s0) and row g + 8 from w1 (s1), lane c holding k [32 c, 32 c + 32) of the chunk; B is the chunk's N rows in
@@ -1014,19 +1021,27 @@ template <int N>
 struct PassN {
   static constexpr int value = N;
 };
-// f(PassN<N>()) for the wgmma N of a pass of `rows` rows: rows rounded up to 8 up to 32, then to 16 (H200, K2 TP8:
-// steps of 16 instead of 32 spare the tensor cores ~7% of the padding columns at 4096 tokens, ~19% at 2080; steps of
-// 8 up to 32 ~22% at 1024, where passes have ~21 rows).
+// f(PassN<N>()) for the wgmma N of a pass of `rows` rows: rows rounded up to a multiple of 8, at least 16 (H200, K2
+// TP8: steps of 16 instead of 32 spared the tensor cores ~7% of the padding columns at 4096 tokens, ~19% at 2080;
+// steps of 8 up to 32 ~22% at 1024, where passes have ~21 rows; steps of 8 past 32 took the MoE at 2080 tokens, ~43
+// rows a pass, from 634 to 613 us, and left 1024-8192 tokens within 1%).
 template <class F>
 __device__ __forceinline__ void with_pass_n(int rows, F&& f) {
-  switch ((rows + 15) >> 4) {
-    case 0: case 1: f(PassN<16>()); break;
-    case 2: rows > 24 ? f(PassN<32>()) : f(PassN<24>()); break;
-    case 3: f(PassN<48>()); break;
-    case 4: f(PassN<64>()); break;
-    case 5: f(PassN<80>()); break;
-    case 6: f(PassN<96>()); break;
-    case 7: f(PassN<112>()); break;
+  switch ((rows + 7) >> 3) {
+    case 0: case 1: case 2: f(PassN<16>()); break;
+    case 3: f(PassN<24>()); break;
+    case 4: f(PassN<32>()); break;
+    case 5: f(PassN<40>()); break;
+    case 6: f(PassN<48>()); break;
+    case 7: f(PassN<56>()); break;
+    case 8: f(PassN<64>()); break;
+    case 9: f(PassN<72>()); break;
+    case 10: f(PassN<80>()); break;
+    case 11: f(PassN<88>()); break;
+    case 12: f(PassN<96>()); break;
+    case 13: f(PassN<104>()); break;
+    case 14: f(PassN<112>()); break;
+    case 15: f(PassN<120>()); break;
     default: f(PassN<128>());
   }
 }
@@ -1066,28 +1081,28 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
   };
 
   // Weights: gate rows 128 blockIdx.x .. + 128 HV - 1 and the up rows I above them of the tiled w13 ([E][H/64][2I][8
-  // words] and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. Thread 0 copies each (K tile j,
-  // gate / up u) block of 128 HV rows to j * WT + u * 4096 HV of the stage, its scales to 2 WT + j * WS + u * 512 HV,
-  // completing the stage's mbarrier; stage ch % RS_WSTAGES is refilled after the barrier of chunk ch - 1, whose
-  // threads have read it by then.
+  // words] and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. Copy q of a chunk (K tile
+  // j = q >> 2, gate / up u = (q >> 1) & 1) takes the block of 128 HV rows to j * WT + u * 4096 HV of the stage (q
+  // even) or its scales to 2 WT + j * WS + u * 512 HV (q odd); lane 0 of the warp whose producer_copy is q issues it,
+  // arriving on the stage's mbarrier with its bytes first. Stage ch % RS_WSTAGES is refilled after the barrier of chunk
+  // ch - 1, whose threads have read it by then.
   const u32 w_base = base + RS_STAGES * 2 * XH, bars = w_base + RS_WSTAGES * rs_wstage(HV);
   const size_t row_b = (size_t)e * (H / 64) * N2 + 128 * blockIdx.x;  // K tile 0, gate, the block's first row
+  const int q = producer_copy(warp);
   auto load_w = [&](int ch) {
-    if (tid != 0 || ch >= n_chunks) return;
+    if (lane != 0 || q >= 8 || ch >= n_chunks) return;
+    const int j = q >> 2, u = (q >> 1) & 1;
     const u32 st = w_base + (ch % RS_WSTAGES) * rs_wstage(HV), bar = bars + 8 * (ch % RS_WSTAGES);
-    mbar_expect_tx(bar, 4 * (4096 + 512) * HV);
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const size_t r = row_b + (size_t)(2 * ch + j) * N2 + u * I;
-        bulk_copy_g2s(st + j * WT + u * 4096 * HV, reinterpret_cast<const uint4*>(w13_packed) + 2 * r, 4096 * HV,
-                      bar);
-        bulk_copy_g2s(st + 2 * WT + j * WS + u * 512 * HV, w13_scale + 2 * r, 512 * HV, bar);
-      }
+    const size_t r = row_b + (size_t)(2 * ch + j) * N2 + u * I;
+    const u32 bytes = q & 1 ? 512 * HV : 4096 * HV;
+    mbar_expect_tx(bar, bytes);
+    if (q & 1)
+      bulk_copy_g2s(st + 2 * WT + j * WS + u * 512 * HV, w13_scale + 2 * r, bytes, bar);
+    else
+      bulk_copy_g2s(st + j * WT + u * 4096 * HV, reinterpret_cast<const uint4*>(w13_packed) + 2 * r, bytes, bar);
   };
   if (tid == 0) {
-    for (int i = 0; i < RS_WSTAGES; ++i) mbar_init(bars + 8 * i, 1);
+    for (int i = 0; i < RS_WSTAGES; ++i) mbar_init(bars + 8 * i, 8);
     mbar_init_fence();
   }
   __syncthreads();
@@ -1182,11 +1197,11 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) moe_up_rs(
   });
 }
 
-// Swapped down GEMM (moe_down_rs; sm_90a), moe_up_rs's partner when I <= RSD_MAX_I: y[slot, n] = topk_weight *
-// (W2 h)[n] for the pass's rows, as the wgmma family's down GEMM writes it. The pass's h rows (the logical k order,
-// from moe_up_rs) stay in shared memory as the N columns; the block streams tiles of 256 outputs, warp w owning
-// outputs n = 256 t + 16 w + g (A row g) and + 8 (row g + 8), their weights dequantized into registers from each
-// thread's pieces of a ring that thread 0 fills by TMA RSD_WSTAGES - 1 tiles ahead (mbarriers; no block barrier
+// Swapped down GEMM (moe_down_rs; sm_90a), moe_up_rs's partner when I <= RSD_MAX_I: y[slot, n] = topk_weight * (W2
+// h)[n] for the pass's rows, as the wgmma family's down GEMM writes it. The pass's h rows (the logical k order, from
+// moe_up_rs) stay in shared memory as the N columns; the block streams tiles of 256 outputs, warp w owning outputs n =
+// 256 t + 16 w + g (A row g) and + 8 (row g + 8), their weights dequantized into registers from each thread's pieces of
+// a ring that producer lanes (producer_copy) fill by TMA RSD_WSTAGES - 1 tiles ahead (mbarriers; no block barrier
 // inside the loop). The accumulators, weighted, go to y through a staging tile per warpgroup (stmatrix.trans), 32
 // tokens at a time: each token's 64 outputs of the warpgroup leave as one 128-byte line (H200, 4096 tokens: y's stores
 // from the registers, 16 bytes of a line per warp instruction, took 167 of moe_down_rs's 422 us; the ring by TMA and
@@ -1226,29 +1241,32 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
   float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
   unsigned char* y_stage = reinterpret_cast<unsigned char*>(weight_of + RS_MT) + (warp >> 2) * RSD_YSTAGE;
   // Weights of tile t: rows 256 t .. 256 t + 255 of each K tile of the tiled w2 ([E][I/64][H][8 words], scale pairs
-  // [E][I/64][H][2]): 8 KB and 1 KB contiguous. Thread 0 copies tile i's K tiles into stage i % RSD_WSTAGES by TMA,
-  // completing the stage's full barrier; every thread arrives on its empty barrier once it has read its pieces, and
-  // thread 0 waits for that before it refills the stage.
+  // [E][I/64][H][2]): 8 KB and 1 KB contiguous. Tile i's copy q (K tile q >> 1: its weights, q even, or scales) goes
+  // into stage i % RSD_WSTAGES by TMA from lane 0 of the warp whose producer_copy is q, which arrives on the stage's
+  // full barrier with its bytes first; every thread arrives on the empty barrier once it has read its pieces, and the
+  // producers wait for that before they refill the stage.
+  const int q = producer_copy(warp);
+  const bool producer = lane == 0 && q < 2 * (I / 64);
   auto load_w = [&](int i) {  // the block's i-th tile
     if (i >= tiles) return;
-    const int s = i % RSD_WSTAGES;
-    const u32 st = w_base + s * RSD_WSTAGE;
-    mbar_expect_tx(full + 8 * s, (I / 64) * (8192 + 1024));
-    for (int kt = 0; kt < I / 64; ++kt) {
-      const size_t r = ((size_t)e * (I / 64) + kt) * H + 256 * (tile0 + i);
-      bulk_copy_g2s(st + kt * RSD_KT_W, reinterpret_cast<const uint4*>(w2_packed) + 2 * r, 8192, full + 8 * s);
-      bulk_copy_g2s(st + (I / 64) * RSD_KT_W + kt * RSD_KT_S, w2_scale + 2 * r, 1024, full + 8 * s);
-    }
+    const int s = i % RSD_WSTAGES, kt = q >> 1;
+    const size_t r = ((size_t)e * (I / 64) + kt) * H + 256 * (tile0 + i);
+    const u32 st = w_base + s * RSD_WSTAGE, bytes = q & 1 ? 1024 : 8192;
+    mbar_expect_tx(full + 8 * s, bytes);
+    if (q & 1)
+      bulk_copy_g2s(st + (I / 64) * RSD_KT_W + kt * RSD_KT_S, w2_scale + 2 * r, bytes, full + 8 * s);
+    else
+      bulk_copy_g2s(st + kt * RSD_KT_W, reinterpret_cast<const uint4*>(w2_packed) + 2 * r, bytes, full + 8 * s);
   };
   if (tid == 0) {
     for (int s = 0; s < RSD_WSTAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
+      mbar_init(full + 8 * s, 2 * (I / 64));
       mbar_init(empty + 8 * s, RS_THREADS);
     }
     mbar_init_fence();
   }
   __syncthreads();  // the barriers are set up
-  if (tid == 0)
+  if (producer)
     for (int i = 0; i < RSD_WSTAGES - 1; ++i) load_w(i);
   for (int q = tid; q < rows * (I / 8); q += RS_THREADS) {
     const int r = q / (I / 8), u = q - r * (I / 8);
@@ -1270,7 +1288,7 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
 
   float acc[NP / 2];
   for (int i = 0; i < tiles; ++i) {
-    if (tid == 0 && i + RSD_WSTAGES - 1 < tiles) {  // into the stage of tile i - 1, once every thread has read it
+    if (producer && i + RSD_WSTAGES - 1 < tiles) {  // into the stage of tile i - 1, once every thread has read it
       if (i > 0) mbar_wait(empty + 8 * ((i - 1) % RSD_WSTAGES), ((i - 1) / RSD_WSTAGES) & 1);
       load_w(i + RSD_WSTAGES - 1);
     }
@@ -1278,7 +1296,9 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
     const unsigned char* wst = sbase + RS_MT * RSD_MAX_I * 2 + (i % RSD_WSTAGES) * RSD_WSTAGE;
 #pragma unroll
     for (int v = 0; v < NP / 2; ++v) acc[v] = 0.f;
-    for (int ch = 0; ch < n_chunks; ++ch) {
+#pragma unroll
+    for (int ch = 0; ch < RSD_MAX_I / 128; ++ch) {  // unrolled: constant offsets (H200: 2% less at 1024 tokens)
+      if (ch >= n_chunks) break;
       uint4 wv[2];
       __nv_bfloat162 sv[2];
 #pragma unroll

@@ -13,14 +13,21 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
 #define WG_ACC_AT8(i)                                                                                           \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
+#define WG_ACC_AT4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define WG_ACC8 WG_ACC_AT8(0)
-#define WG_ACC12 WG_ACC8, "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+#define WG_ACC12 WG_ACC8, WG_ACC_AT4(8)
 #define WG_ACC16 WG_ACC8, WG_ACC_AT8(8)
+#define WG_ACC20 WG_ACC16, WG_ACC_AT4(16)
 #define WG_ACC24 WG_ACC16, WG_ACC_AT8(16)
+#define WG_ACC28 WG_ACC24, WG_ACC_AT4(24)
 #define WG_ACC32 WG_ACC24, WG_ACC_AT8(24)
+#define WG_ACC36 WG_ACC32, WG_ACC_AT4(32)
 #define WG_ACC40 WG_ACC32, WG_ACC_AT8(32)
+#define WG_ACC44 WG_ACC40, WG_ACC_AT4(40)
 #define WG_ACC48 WG_ACC40, WG_ACC_AT8(40)
+#define WG_ACC52 WG_ACC48, WG_ACC_AT4(48)
 #define WG_ACC56 WG_ACC48, WG_ACC_AT8(48)
+#define WG_ACC60 WG_ACC56, WG_ACC_AT4(56)
 #define WG_ACC64 WG_ACC56, WG_ACC_AT8(56)
 #define WG_ACC128 WG_ACC64, WG_ACC_AT8(64), WG_ACC_AT8(72), WG_ACC_AT8(80), WG_ACC_AT8(88), WG_ACC_AT8(96), \
                   WG_ACC_AT8(104), WG_ACC_AT8(112), WG_ACC_AT8(120)
@@ -29,12 +36,18 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
 #define WG_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define WG_D12 WG_D8 ", %8, %9, %10, %11"
 #define WG_D16 WG_D12 ", %12, %13, %14, %15"
-#define WG_D24 WG_D16 ", %16, %17, %18, %19, %20, %21, %22, %23"
-#define WG_D32 WG_D24 ", %24, %25, %26, %27, %28, %29, %30, %31"
-#define WG_D40 WG_D32 ", %32, %33, %34, %35, %36, %37, %38, %39"
-#define WG_D48 WG_D40 ", %40, %41, %42, %43, %44, %45, %46, %47"
-#define WG_D56 WG_D48 ", %48, %49, %50, %51, %52, %53, %54, %55"
-#define WG_D64 WG_D56 ", %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_D20 WG_D16 ", %16, %17, %18, %19"
+#define WG_D24 WG_D20 ", %20, %21, %22, %23"
+#define WG_D28 WG_D24 ", %24, %25, %26, %27"
+#define WG_D32 WG_D28 ", %28, %29, %30, %31"
+#define WG_D36 WG_D32 ", %32, %33, %34, %35"
+#define WG_D40 WG_D36 ", %36, %37, %38, %39"
+#define WG_D44 WG_D40 ", %40, %41, %42, %43"
+#define WG_D48 WG_D44 ", %44, %45, %46, %47"
+#define WG_D52 WG_D48 ", %48, %49, %50, %51"
+#define WG_D56 WG_D52 ", %52, %53, %54, %55"
+#define WG_D60 WG_D56 ", %56, %57, %58, %59"
+#define WG_D64 WG_D60 ", %60, %61, %62, %63"
 #define WG_D80 WG_D64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
 #define WG_D96 WG_D80 ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define WG_D112 WG_D96 ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
@@ -106,7 +119,7 @@ WGMMA_SS(64, 128, 64, 65, 66)
 WGMMA_SS(128, 256, 128, 129, 130)
 #undef WGMMA_SS
 
-// d[NA] += A[64x16] B[16xN], N = 2 NA = 16, 24, 32 to 128 in steps of 16, or 256: A from registers (a[4], the m16k16
+// d[NA] += A[64x16] B[16xN], N = 2 NA = 16 to 128 in steps of 8, or 256: A from registers (a[4], the m16k16
 // fragment of the thread's warp's 16 rows, as mma.sync's), B in 128B-swizzled shared memory, K-major (MN = 0) or
 // MN-major (MN = 1). wgmma reads a[] asynchronously: they stay unchanged until a wg_wait retires it (ptxas serializes
 // the wgmmas, and says so, where they might not). The asm operands: the NA accumulators, a[0..3] (A0..A0 + 3), the
@@ -123,11 +136,17 @@ WGMMA_SS(128, 256, 128, 129, 130)
 WGMMA_RS(8, 16, 8, 9, 10, 11, 12, 13, 14)
 WGMMA_RS(12, 24, 12, 13, 14, 15, 16, 17, 18)
 WGMMA_RS(16, 32, 16, 17, 18, 19, 20, 21, 22)
+WGMMA_RS(20, 40, 20, 21, 22, 23, 24, 25, 26)
 WGMMA_RS(24, 48, 24, 25, 26, 27, 28, 29, 30)
+WGMMA_RS(28, 56, 28, 29, 30, 31, 32, 33, 34)
 WGMMA_RS(32, 64, 32, 33, 34, 35, 36, 37, 38)
+WGMMA_RS(36, 72, 36, 37, 38, 39, 40, 41, 42)
 WGMMA_RS(40, 80, 40, 41, 42, 43, 44, 45, 46)
+WGMMA_RS(44, 88, 44, 45, 46, 47, 48, 49, 50)
 WGMMA_RS(48, 96, 48, 49, 50, 51, 52, 53, 54)
+WGMMA_RS(52, 104, 52, 53, 54, 55, 56, 57, 58)
 WGMMA_RS(56, 112, 56, 57, 58, 59, 60, 61, 62)
+WGMMA_RS(60, 120, 60, 61, 62, 63, 64, 65, 66)
 WGMMA_RS(64, 128, 64, 65, 66, 67, 68, 69, 70)
 WGMMA_RS(128, 256, 128, 129, 130, 131, 132, 133, 134)
 #undef WGMMA_RS
