@@ -137,7 +137,11 @@ def test_bad_mask_dtype_is_rejected():
 def test_launch_geometry():
     assert _mma_smem_bytes(MLA_DK, MLA_DV, True, 2) <= 227 * 1024  # the H100/H200 per-block limit
     assert _num_splits(8, 65, 132) == 16  # B = 1, 8 heads x 64 nodes: 8 tiles x 16 splits
-    assert _num_splits(256, 65, 132) == 1
+    assert _num_splits(256, 65, 132) == 1  # two waves, the second 94% full
+    assert _num_splits(288, 65, 132) == 2  # 32 sequences x 65 queries: 3 waves (the last 18% full) -> 5 (87%)
+    assert _num_splits(140, 65, 132) == 4  # 2 waves (the last 6% full) -> 5 (85%)
+    assert _num_splits(140, 2, 132) == 2  # at most one split per key tile
+    assert _num_splits(133, 65, 132) == 4  # none reaches 85%: the fullest last wave (4 splits, 81%)
     assert _num_splits(8, 3, 132) == 3  # never more splits than key tiles
     assert _combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
     assert _combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM

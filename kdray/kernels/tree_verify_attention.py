@@ -22,14 +22,14 @@ in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two with
 sync, one allocation (the output), so a verify step can be captured in a CUDA graph. CPU tensors run the torch
 reference below.
 
-Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the
-grid gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once (``_num_splits``), each streaming an
-equal run of the sequence's key tiles and writing a partial; ``tva_combine`` then merges each row's partials, a
-warp per (row, 32-256 value columns). Both halves are spread over the GPU because one SM moves only tens of GB/s.
-Measured on the H200 at one K2 query after 4096 keys, the earlier form, where the tile's last CTA merged 22
-partials after each split had streamed 3 key tiles, spent 6.3 us in those tiles and 5.7 us in that merge, and
-trees spent 4-7 us writing their partials 4 bytes at a time; the partials now leave through shared memory as
-16-byte stores (``benchmarks/results/tree-attention-2026-12-02-h200-session16.txt``).
+Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the grid
+gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once, and with a few waves of tiles as many as fill
+the last wave (``_num_splits``), each streaming an equal run of the sequence's key tiles and writing a partial;
+``tva_combine`` then merges each row's partials, a warp per (row, 32-256 value columns). Both halves are spread over
+the GPU because one SM moves only tens of GB/s. Measured on the H200 at one K2 query after 4096 keys, the earlier
+form, where the tile's last CTA merged 22 partials after each split had streamed 3 key tiles, spent 6.3 us in those
+tiles and 5.7 us in that merge, and trees spent 4-7 us writing their partials 4 bytes at a time; the partials now
+leave through shared memory as 16-byte stores (``benchmarks/results/tree-attention-2026-12-02-h200-session16.txt``).
 """
 from __future__ import annotations
 
@@ -158,10 +158,20 @@ def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
     return _TILE * dk * 2 + 2 * stage + (128 * 16 * 4 + 128 * 2 * 4 if warpgroups > 1 else 0)
 
 
+WAVE_FILL = 0.85  # past one wave of CTAs, key splits until the last wave is at least this full ...
+MAX_WAVE_SPLITS = 4  # ... with at most this many
+
+
 def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
-    """Key splits in the grid: ``tiles`` CTAs fill the ``slots`` (SMs x CTAs per SM) at most once, at most one
-    split per key tile of the block table; the kernel uses as many of them as its cost model asks."""
-    return max(1, min(slots // max(tiles, 1), key_tiles))
+    """Key splits in the grid, at most one per key tile of the block table (the kernel uses as many of them as its
+    cost model asks). Up to ``slots`` (SMs x CTAs per SM) ``tiles`` fill the GPU once; past it, the fewest splits
+    up to ``MAX_WAVE_SPLITS`` whose last wave of CTAs is ``WAVE_FILL`` full (else the fullest), since a grid of a
+    few waves takes as long as its last one (H200, K2 TP8, 32 sequences x 65 queries: 288 tiles, 3 waves, the last
+    of 24 CTAs; 2 splits, 5 waves: the attention 30.7 -> 26.8 ms a pass, plus 2.0 ms of tva_combine)."""
+    if tiles <= slots:
+        return max(1, min(slots // max(tiles, 1), key_tiles))
+    fill = {s: tiles * s / (slots * -(-tiles * s // slots)) for s in range(1, min(MAX_WAVE_SPLITS, key_tiles) + 1)}
+    return next((s for s, f in fill.items() if f >= WAVE_FILL), max(fill, key=fill.get))
 
 
 def _combine_cols(rows: int, dv: int, sms: int) -> int:
@@ -205,7 +215,9 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     n_splits = 1
     if mma is not None and tiles > 0:
         slots = sm_count(dev.index) * mma[2]
-        n_splits = _num_splits(kv_heads * tiles, -(-max_pages * page_size // _TILE), slots)
+        # sequences of T / B queries each, the verify step's batches (the grid keeps the bound above)
+        likely = B * -(-(T // B) * group // _TILE) if T % B == 0 else tiles
+        n_splits = _num_splits(kv_heads * likely, -(-max_pages * page_size // _TILE), slots)
     out_bytes, o_bytes = T * hq * dv * q.element_size(), n_splits * T * hq * dv * 2
     ws_bytes = o_bytes + n_splits * T * hq * 8 if n_splits > 1 else 0
     if out is None:
