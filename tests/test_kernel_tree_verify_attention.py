@@ -163,6 +163,7 @@ MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
     "decode-ragged": ([1] * 16, [4095, 1, 63, 64, 65, 1000, 2047, 0, 129, 3333, 17, 511, 4097, 7, 255, 100], 8, 16),
     "decode-heads64": ([1, 1], [4095, 200], 64, 64),  # full 64-row tiles at one query
     "tree9": ([9], [2001], 8, 16),  # a 64-row tile and an 8-row tile: different splits per tile
+    "waves": ([65] * 18, [300 + 37 * i for i in range(18)], 8, 64),  # 162 tiles: past one wave (H200: 3 splits)
 }
 
 
