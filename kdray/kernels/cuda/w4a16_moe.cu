@@ -985,7 +985,7 @@ __device__ __forceinline__ int logical_pos(int k) {
 }
 
 // The swapped GEMMs' weight copies (TMA) are issued by lane 0 of eight warps, one copy each: copy q by warp 5 q mod
-// 16, two warps of each warpgroup on each SM sub-partition. This returns the copy q of a warp (q >= 8: none). (H200,
+// 16, two warps of each warpgroup on each SM sub-partition. This returns a warp's copy q (q >= 8: none). (H200,
 // K2 TP8, in the MoE: thread 0 issuing all eight, ~20 instructions each, took moe_down_rs 4-9% longer, the whole MoE
 // 504 -> 481 us at 1024 tokens, 987 -> 969 at 4096.)
 __device__ __forceinline__ int producer_copy(int warp) { return (13 * warp) & 15; }  // 13 = 5^-1 mod 16
@@ -1072,22 +1072,22 @@ __device__ __forceinline__ void moe_up_rs_pass(const __nv_bfloat16* __restrict__
   };
 
   // Weights: gate rows 128 blockIdx.x .. + 128 HV - 1 and the up rows I above them of the tiled w13 ([E][H/64][2I][8
-  // words] and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. Copy q of a chunk (K tile
-  // j = q >> 2, gate / up u = (q >> 1) & 1) takes the block of 128 HV rows to j * WT + u * 4096 HV of the stage (q
-  // even) or its scales to 2 WT + j * WS + u * 512 HV (q odd); lane 0 of the warp whose producer_copy is q issues it,
-  // arriving on the stage's mbarrier with its bytes first. Stage ch % RS_WSTAGES is refilled after the barrier of chunk
+  // words] and scale pairs [E][H/64][2I][2]); chunk ch is K tiles 2 ch and 2 ch + 1. A producer's copy (K tile
+  // j = copy >> 2, gate / up u = (copy >> 1) & 1) takes the block of 128 HV rows to j * WT + u * 4096 HV of the stage
+  // (copy even) or its scales to 2 WT + j * WS + u * 512 HV (copy odd), arriving on the stage's mbarrier with its
+  // bytes first. Stage ch % RS_WSTAGES is refilled after the barrier of chunk
   // ch - 1, whose threads have read it by then.
   const u32 w_base = base + RS_STAGES * 2 * XH, bars = w_base + RS_WSTAGES * rs_wstage(HV);
   const size_t row_b = (size_t)e * (H / 64) * N2 + 128 * blockIdx.x;  // K tile 0, gate, the block's first row
-  const int q = producer_copy(warp);
+  const int copy = producer_copy(warp);
   auto load_w = [&](int ch) {
-    if (lane != 0 || q >= 8 || ch >= n_chunks) return;
-    const int j = q >> 2, u = (q >> 1) & 1;
+    if (lane != 0 || copy >= 8 || ch >= n_chunks) return;
+    const int j = copy >> 2, u = (copy >> 1) & 1;
     const u32 st = w_base + (ch % RS_WSTAGES) * rs_wstage(HV), bar = bars + 8 * (ch % RS_WSTAGES);
     const size_t r = row_b + (size_t)(2 * ch + j) * N2 + u * I;
-    const u32 bytes = q & 1 ? 512 * HV : 4096 * HV;
+    const u32 bytes = copy & 1 ? 512 * HV : 4096 * HV;
     mbar_expect_tx(bar, bytes);
-    if (q & 1)
+    if (copy & 1)
       bulk_copy_g2s(st + 2 * WT + j * WS + u * 512 * HV, w13_scale + 2 * r, bytes, bar);
     else
       bulk_copy_g2s(st + j * WT + u * 4096 * HV, reinterpret_cast<const uint4*>(w13_packed) + 2 * r, bytes, bar);
@@ -1232,19 +1232,19 @@ __device__ __forceinline__ void moe_down_rs_pass(const __nv_bfloat16* __restrict
   float* weight_of = reinterpret_cast<float*>(slot_of + RS_MT);
   unsigned char* y_stage = reinterpret_cast<unsigned char*>(weight_of + RS_MT) + (warp >> 2) * RSD_YSTAGE;
   // Weights of tile t: rows 256 t .. 256 t + 255 of each K tile of the tiled w2 ([E][I/64][H][8 words], scale pairs
-  // [E][I/64][H][2]): 8 KB and 1 KB contiguous. Tile i's copy q (K tile q >> 1: its weights, q even, or scales) goes
-  // into stage i % RSD_WSTAGES by TMA from lane 0 of the warp whose producer_copy is q, which arrives on the stage's
-  // full barrier with its bytes first; every thread arrives on the empty barrier once it has read its pieces, and the
-  // producers wait for that before they refill the stage.
-  const int q = producer_copy(warp);
-  const bool producer = lane == 0 && q < 2 * (I / 64);
+  // [E][I/64][H][2]): 8 KB and 1 KB contiguous. A producer's copy of tile i (K tile copy >> 1: its weights, copy even,
+  // or scales) goes into stage i % RSD_WSTAGES by TMA, arriving on the stage's full barrier with its bytes first; every
+  // thread arrives on the empty barrier once it has read its pieces, and the producers wait for that before they refill
+  // the stage.
+  const int copy = producer_copy(warp);
+  const bool producer = lane == 0 && copy < 2 * (I / 64);
   auto load_w = [&](int i) {  // the block's i-th tile
     if (i >= tiles) return;
-    const int s = i % RSD_WSTAGES, kt = q >> 1;
+    const int s = i % RSD_WSTAGES, kt = copy >> 1;
     const size_t r = ((size_t)e * (I / 64) + kt) * H + 256 * (tile0 + i);
-    const u32 st = w_base + s * RSD_WSTAGE, bytes = q & 1 ? 1024 : 8192;
+    const u32 st = w_base + s * RSD_WSTAGE, bytes = copy & 1 ? 1024 : 8192;
     mbar_expect_tx(full + 8 * s, bytes);
-    if (q & 1)
+    if (copy & 1)
       bulk_copy_g2s(st + (I / 64) * RSD_KT_W + kt * RSD_KT_S, w2_scale + 2 * r, bytes, full + 8 * s);
     else
       bulk_copy_g2s(st + kt * RSD_KT_W, reinterpret_cast<const uint4*>(w2_packed) + 2 * r, bytes, full + 8 * s);
