@@ -73,12 +73,14 @@ def test_bad_shapes_are_an_error():
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens,H,Hkv,dims", [
     ([1], 8, 8, K2_DIMS),  # one token
+    ([300], 8, 8, K2_DIMS),  # one short prompt: cuDNN
     ([1, 2, 3, 100, 1000], 8, 8, K2_DIMS),  # ragged
     ([4096, 17, 2049], 64, 64, K2_DIMS),  # K2's whole 64 heads
     ([5000, 4096], 8, 8, K2_DIMS),  # long prompts only: cuDNN, one call each
     ([4096], 64, 64, K2_DIMS),
     ([65536], 8, 8, K2_DIMS),  # a 64k prompt on a TP8 shard
-    ([2048] * 8, 8, 8, K2_DIMS),
+    ([2048] * 8, 8, 8, K2_DIMS),  # several prompts, all long: cuDNN
+    ([2047, 2048], 8, 8, K2_DIMS),  # one of them shorter: FlashAttention
     ([777, 1, 300], 9, 3, LLAMA_DIMS),  # SmolLM2's GQA
     ([6000], 9, 3, LLAMA_DIMS),  # equal head dims: FlashAttention at any length
 ])
