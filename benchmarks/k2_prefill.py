@@ -53,7 +53,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 TARGETS = {1024: 3.0}  # time / floor of issue 21; 4096 tokens and beyond: 2.0
 HEADER = ["prompts", "tokens", "time ms", "graphed ms", "floor ms", "time / floor", "graphed / floor", "target",
           "prompt tok/s", "attention / experts / GEMM / rest ms"]
-KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tree_attn")),
+KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tva_")),
          ("experts", ("w4a16", "moe")),
          ("GEMM", ("gemm", "sm90", "cutlass", "cublas", "nvjet", "xmma", "splitk")))
 
