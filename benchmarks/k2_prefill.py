@@ -21,8 +21,9 @@ thousand tokens on a slow host; compute floor = FLOPs / the bf16 GEMM rate measu
 same run, where FLOPs = 2 x tokens x every matmul parameter of the shard (projections, the dense layer, the shared
 experts, the router; not the embedding, and the vocabulary projection for the last tokens only) + 2 x tokens x 8
 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x (qk + v head dims: 192 +
-128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached prefix, the absorbed form's
-2 x heads x (576 + 512) per query and visible key); the ratios of both times to it; prompt tokens per second (eager);
+128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached prefix, chunks of
+``PLAIN_CHUNK_TOKENS`` or more count the plain form's dims over every visible key and kv_b's expansion of the cached
+rows, shorter ones the absorbed form's 2 x heads x (576 + 512) per query and visible key); the ratios of both times to it; prompt tokens per second (eager);
 and the GPU time by kind
 (attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
 table.
@@ -42,8 +43,9 @@ import kdray  # noqa: E402
 from benchmarks.common import Ceilings, print_table, time_us  # noqa: E402
 from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
 from kdray.config import K2Config, LlamaConfig  # noqa: E402
-from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
+from kdray.model.batch import ForwardBatch, prompt_chunks  # noqa: E402
 from kdray.model.dummy import fill_random  # noqa: E402
+from kdray.model.k2 import PLAIN_CHUNK_TOKENS  # noqa: E402
 from kdray.model.llama import LlamaModel  # noqa: E402
 
 # SmolLM2-135M-Instruct's dimensions (its GGUF's metadata), for the Llama-family rows
@@ -79,8 +81,9 @@ def prefill_batch(model, B: int, P: int, N: int):
     table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
     ids = torch.randint(0, cfg.vocab_size, (B * N,), device="cuda", generator=g)
     positions = (P + torch.arange(N, device="cuda")).repeat(B)
-    mask = causal_tree_mask([N] * B, "cuda") if P else None  # a chunk after cached tokens: the verify form
-    return ForwardBatch.build(ids, positions, [N] * B, [P] * B, table, PAGE, mask), kv
+    if P:  # a chunk after cached tokens, as the engine builds it
+        return prompt_chunks(ids, positions, [N] * B, [P] * B, table, PAGE), kv
+    return ForwardBatch.build(ids, positions, [N] * B, [P] * B, table, PAGE, None), kv
 
 
 def prefill_flops(model, B: int, P: int, N: int) -> float:
@@ -91,8 +94,12 @@ def prefill_flops(model, B: int, P: int, N: int) -> float:
     if isinstance(cfg, K2Config):
         moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
         per_token += cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * moe_layers
-        # the absorbed form after a cached prefix, the plain form from scratch
-        dims = cfg.kv_cache_dim + cfg.kv_lora_rank if P else cfg.qk_head_dim + cfg.v_head_dim
+        # the form the model runs: plain from scratch and for chunks of PLAIN_CHUNK_TOKENS or more after cached
+        # tokens (whose latent rows kv_b then expands as well), absorbed for shorter chunks
+        plain = not P or N >= PLAIN_CHUNK_TOKENS
+        dims = cfg.qk_head_dim + cfg.v_head_dim if plain else cfg.kv_cache_dim + cfg.kv_lora_rank
+        per_token += (cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+                      * cfg.num_hidden_layers * P / N if plain else 0)  # the cached rows' expansion, per new token
     else:
         dims = 2 * cfg.head_dim
     attention = 2 * cfg.num_attention_heads * dims * B * N * (P + (N + 1) / 2)

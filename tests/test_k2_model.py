@@ -10,7 +10,8 @@ from k2_checkpoints import make_hf_k2, quantize_experts_int4, write_dequantized_
 from safetensors.torch import load_file, save_file
 
 from kdray import LLM, SamplingParams
-from kdray.model.batch import ForwardBatch, causal_tree_mask
+import kdray.model.k2 as k2
+from kdray.model.batch import ForwardBatch, prompt_chunks
 from kdray.model.checkpoint import CheckpointError
 from kdray.model.loader import load_target
 from kdray.model.k2 import MoE
@@ -31,8 +32,11 @@ def forward_logits(target, chunks: list[list[int]], prefix: list[int] | None = N
     prefix = prefix or [0] * B
     ids = torch.tensor([t for c in chunks for t in c])
     pos = torch.cat([torch.arange(p, p + len(c)) for p, c in zip(prefix, chunks)])
-    mask = None if not any(prefix) else causal_tree_mask([len(c) for c in chunks], "cpu")
-    batch = ForwardBatch.build(ids, pos, [len(c) for c in chunks], prefix, table, PAGE, mask)
+    lens = [len(c) for c in chunks]
+    if any(prefix):  # chunks after cached tokens, as the engine builds them
+        batch = prompt_chunks(ids, pos, lens, prefix, table, PAGE)
+    else:
+        batch = ForwardBatch.build(ids, pos, lens, prefix, table, PAGE, None)
     hidden, _ = m(batch, kv)
     return m.logits(hidden), kv
 
@@ -58,7 +62,10 @@ def test_prefill_logits_match_transformers(hf_k2):
         start += len(p)
 
 
-def test_absorbed_latent_cache_matches_plain_recompute(hf_k2):
+@pytest.mark.parametrize("form", ["absorbed", "plain"])
+def test_chunks_after_the_latent_cache_match_whole_prompts(hf_k2, form, monkeypatch):
+    """Chunks after cached tokens, in the absorbed form over the latent cache or (``PLAIN_CHUNK_TOKENS`` lowered) in
+    the plain form over the cached rows expanded by kv_b, give the logits of the whole prompts' prefill."""
     _, path = hf_k2
     target = load_target(str(path))
     gen = torch.Generator().manual_seed(6)
@@ -66,7 +73,13 @@ def test_absorbed_latent_cache_matches_plain_recompute(hf_k2):
     whole, _ = forward_logits(target, full)
     cut = [12, 17]
     _, kv = forward_logits(target, [f[:c] for f, c in zip(full, cut)])
+    plain_calls = []
+    attend = k2.prefill_attention
+    monkeypatch.setattr(k2, "prefill_attention", lambda *a: plain_calls.append(len(a)) or attend(*a))
+    if form == "plain":
+        monkeypatch.setattr(k2, "PLAIN_CHUNK_TOKENS", 4)
     tail, _ = forward_logits(target, [f[c:] for f, c in zip(full, cut)], prefix=cut, kv=kv)
+    assert plain_calls == ([8] * target.model.cfg.num_hidden_layers if form == "plain" else [])  # with the keys' cu
     expect = torch.cat([whole[cut[0]:30], whole[30 + cut[1]:]])
     assert rel_err(tail, expect) < 1e-5
 

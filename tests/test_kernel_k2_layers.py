@@ -12,7 +12,7 @@ from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
 from kdray.kernels.silu_mul import silu_mul_reference
 from kdray.kernels.w4a16_moe import w4a16_moe
-from kdray.model.batch import ForwardBatch, causal_tree_mask
+from kdray.model.batch import ForwardBatch, causal_tree_mask, prompt_chunks
 
 pytestmark = pytest.mark.gpu
 
@@ -38,16 +38,21 @@ def unfused(monkeypatch):
     monkeypatch.setattr(k2, "silu_mul", silu_mul_reference)
 
 
+def stable_routing(model, cfg):
+    """Routing by the bias alone: an ulp of difference in a layer's input cannot flip a token's experts."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, k2.MoE):
+                m.gate.mul_(1e-3)
+                m.e_score_correction_bias.copy_(torch.randperm(cfg.n_routed_experts, device="cuda") * 0.01)
+
+
 @pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (False, [17, 15]),
                                            (True, [65, 40, 65])])
 def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     cfg = k2_shard_config()
     model = random_model(cfg)
-    with torch.no_grad():  # routing by the bias alone: an ulp of difference cannot flip a token's experts
-        for m in model.modules():
-            if isinstance(m, k2.MoE):
-                m.gate.mul_(1e-3)
-                m.e_score_correction_bias.copy_(torch.randperm(cfg.n_routed_experts, device="cuda") * 0.01)
+    stable_routing(model, cfg)
     B = len(q_lens)
     page, prefix = 64, [0] * B if prefill else [300, 17, 1000][:B]
     pages = (max(prefix) + max(q_lens) + page - 1) // page
@@ -98,3 +103,36 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch):
     torch.cuda.synchronize()
     assert torch.isfinite(beside).all()
     assert torch.equal(beside, one_stream)  # the shared experts' output joins at the finalize either way
+
+
+def test_long_chunks_after_cached_tokens_take_the_plain_form(monkeypatch):
+    """Prompt chunks of PLAIN_CHUNK_TOKENS or more after cached tokens attend in the plain form (the cached latent
+    rows expanded by kv_b, FlashAttention aligned to the chunk's end) and give the hidden states of the absorbed form
+    (the tree-verify kernel over the latent cache) on the same cache."""
+    cfg = k2_shard_config()
+    model = random_model(cfg)
+    stable_routing(model, cfg)
+    q_lens, prefix, page = [k2.PLAIN_CHUNK_TOKENS, k2.PLAIN_CHUNK_TOKENS + 40], [300, 1000], 64
+    B, pages = 2, (1000 + k2.PLAIN_CHUNK_TOKENS + 40 + 63) // 64
+    g = torch.Generator("cuda").manual_seed(2)
+    kv = torch.randn(cfg.num_hidden_layers, B * pages, page, cfg.kv_cache_dim, device="cuda", generator=g).bfloat16()
+    table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
+    ids = torch.randint(0, cfg.vocab_size, (sum(q_lens),), device="cuda", generator=g)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, q_lens)]).cuda()
+    batch = prompt_chunks(ids, positions, q_lens, prefix, table, page)
+    plain = []
+    attend = k2.prefill_attention
+    monkeypatch.setattr(k2, "prefill_attention", lambda *a: plain.append(len(a) == 8) or attend(*a))
+
+    def hidden():
+        with torch.no_grad():
+            return model(batch, kv.clone())[0].float()
+
+    plain_form = hidden()
+    assert plain == [True] * cfg.num_hidden_layers
+    monkeypatch.setattr(k2, "PLAIN_CHUNK_TOKENS", 10 ** 9)
+    absorbed = hidden()
+    assert len(plain) == cfg.num_hidden_layers  # the absorbed pass did not call it
+    assert torch.isfinite(plain_form).all()
+    assert rel_err(plain_form, absorbed) < 3e-2
+

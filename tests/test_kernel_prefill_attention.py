@@ -62,6 +62,42 @@ def test_reference_path_matches_float64(lens, H, Hkv, dims):
     check(lens, H, Hkv, dims, torch.float32, "cpu", 1e-5)
 
 
+def chunk_case(lens, prefixes, H, dims, dtype, device, seed=1):
+    """Chunks of ``lens`` new tokens after ``prefixes`` cached ones: q over the new tokens, k and v over all."""
+    g = torch.Generator().manual_seed(seed)
+    D, Dv = dims
+    k_lens = [p + n for p, n in zip(prefixes, lens)]
+    q = torch.randn(sum(lens), H, D, generator=g).to(device, dtype)
+    k = torch.randn(sum(k_lens), H, D, generator=g).to(device, dtype)
+    v = torch.randn(sum(k_lens), H, Dv, generator=g).to(device, dtype)
+    cu_q, cu_k = (torch.tensor([0, *n]).cumsum(0).to(torch.int32).to(device) for n in (lens, k_lens))
+    return q, k, v, cu_q, cu_k, k_lens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("lens,prefixes", [([5, 3], [7, 0]), ([1], [40]), ([300, 2048], [2100, 16])])
+def test_chunks_after_cached_tokens_attend_to_them(device, lens, prefixes):
+    """Query t of a chunk after p cached tokens sees its prompt's keys 0 .. p + t (float64 reference)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, cu_q, cu_k, k_lens = chunk_case(lens, prefixes, 8, K2_DIMS, dtype, device)
+    out = prefill_attention(q, k, v, cu_q, lens, 0.07, cu_k, k_lens)
+    assert out.shape == (sum(lens), 8, K2_DIMS[1]) and out.dtype == dtype
+    for b, (n, p) in enumerate(zip(lens, prefixes)):
+        qs, ks = sum(lens[:b]), sum(k_lens[:b])
+        for t in sorted({0, n - 1, n // 2}):
+            kk, vv = k[ks:ks + p + t + 1].double(), v[ks:ks + p + t + 1].double()
+            w = torch.einsum("hd,nhd->hn", q[qs + t].double(), kk).mul(0.07).softmax(-1)
+            ref = torch.einsum("hn,nhd->hd", w, vv)
+            err = (out[qs + t].double() - ref).abs().max().item()
+            assert err < (2e-2 if device == "cuda" else 1e-5), (b, t, err)
+
+
+def test_chunk_keys_must_cover_their_queries():
+    q, k, v, cu_q, cu_k, k_lens = chunk_case([4, 4], [2, 0], 4, K2_DIMS, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="at least its queries"):
+        prefill_attention(q, k[:7], v[:7], cu_q, [4, 4], 0.1, cu_k, [3, 4])  # 3 keys for 4 queries
+
+
 def test_bad_shapes_are_an_error():
     q, k, v, cu = packed([4, 4], 4, 4, K2_DIMS, torch.float32, "cpu")
     with pytest.raises(ValueError, match="prefill_attention"):

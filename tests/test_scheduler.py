@@ -4,6 +4,7 @@ DDTree, greedy and seeded sampling, and under the fields that change the distrib
 import pytest
 import torch
 
+import kdray.model.k2 as k2
 from kdray import LLM, SamplingParams
 
 GEN = torch.Generator().manual_seed(5)
@@ -57,6 +58,20 @@ def test_chunked_prefill_of_any_size_changes_nothing(reference, mode, chunk):
     for params in PARAMS:
         llm = LLM(model="k2-tiny", prefill_chunk=chunk, prefix_caching=False, **MODES[mode])
         assert tokens(llm, PARAMS[params]) == reference[(mode, params)]
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_chunks_in_the_plain_form_change_nothing(reference, mode, monkeypatch):
+    """Prompt chunks after cached tokens with attention in the plain form (``PLAIN_CHUNK_TOKENS`` lowered to one
+    token: the cached rows expanded by kv_b) give every output of the unchunked run."""
+    plain = []
+    attend = k2.prefill_attention
+    monkeypatch.setattr(k2, "prefill_attention", lambda *a: plain.append(len(a) == 8) or attend(*a))
+    monkeypatch.setattr(k2, "PLAIN_CHUNK_TOKENS", 1)
+    for params in PARAMS:
+        llm = LLM(model="k2-tiny", prefill_chunk=16, prefix_caching=False, **MODES[mode])
+        assert tokens(llm, PARAMS[params]) == reference[(mode, params)]
+    assert any(plain)  # chunks after cached tokens took the plain form
 
 
 def test_long_context_burst_is_admitted_by_use_not_by_reservation():

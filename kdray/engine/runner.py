@@ -26,7 +26,7 @@ from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, Prefil
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
 from kdray.kernels.tree_build import DraftTree, tree_build
-from kdray.model.batch import ForwardBatch, causal_tree_mask, device_array, pack_bits, uniform_batch
+from kdray.model.batch import ForwardBatch, causal_tree_mask, device_array, pack_bits, prompt_chunks, uniform_batch
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
@@ -314,8 +314,11 @@ class ModelRunner:
         graphed = not scored and self._prompt_bucket(len(ids), batch.starts, graphs) is not None
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk (a graphed
         # chunk has its bucket's own)
-        mask = causal_tree_mask(lens, self.device) if any(batch.starts) and not graphed else None
-        fb = ForwardBatch.build(ids, positions, lens, batch.starts, self.slots.block_table[idx], self.page_size, mask)
+        table = self.slots.block_table[idx]
+        if any(batch.starts) and not graphed:
+            fb = prompt_chunks(ids, positions, lens, batch.starts, table, self.page_size)
+        else:
+            fb = ForwardBatch.build(ids, positions, lens, batch.starts, table, self.page_size, None)
         last = fb.cu_q[1:].long() - 1  # [B]
         scores = None
         if scored:

@@ -5,13 +5,16 @@ flattened ``[T]``; sequence ``b`` owns rows ``cu_q[b]:cu_q[b+1]``. Two kinds of 
 
 - prefill (``tree_mask`` None): a prompt with nothing cached yet, causal inside the chunk;
 - verify (``tree_mask`` set): the tokens follow a cached prefix of ``prefix_lens[b]`` positions and see
-  each other through the tree's ancestor bitmask (a chain's mask is lower-triangular, one token's is 1).
+  each other through the tree's ancestor bitmask (a chain's mask is lower-triangular, one token's is 1). A chunk of
+  a prompt after cached tokens is this kind with a causal mask (:func:`prompt_chunks`), and carries its
+  ``context`` (cached and new positions) for an attention that reads them as a prompt's keys.
 
 The KV of token ``i`` of sequence ``b`` is written at cache position ``prefix_lens[b] + i``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -28,6 +31,21 @@ def device_array(values, device: torch.device | str, dtype: type = np.int64) -> 
 
 
 @dataclass
+class ChunkContext:
+    """The positions a batch of prompt chunks after cached tokens attends to: each sequence's cached and new ones."""
+    lens: list[int]  # host: prefix_lens[b] + q_lens[b]
+    cu: torch.Tensor  # [B+1] int32, their row offsets
+    block_table: torch.Tensor  # [B, max_pages] int32
+    page_size: int
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """Flat cache rows ``[sum(lens)]`` of positions 0 .. lens[b] - 1 of every sequence."""
+        zeros = torch.zeros(len(self.lens), dtype=torch.int32, device=self.cu.device)
+        return ForwardBatch.slots(self.block_table, zeros, self.cu, self.page_size, sum(self.lens))
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64 (RoPE positions: prefix + depth inside a tree)
@@ -37,6 +55,7 @@ class ForwardBatch:
     block_table: torch.Tensor  # [B, max_pages] int32
     slot_mapping: torch.Tensor  # [T] int64: flat cache row (page * page_size + offset) of each token's KV
     tree_mask: torch.Tensor | None  # [B, Qmax, ceil(Qmax/32)] int32, None for prefill
+    context: ChunkContext | None = None  # set by prompt_chunks(): prompt chunks after cached tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -64,6 +83,18 @@ class ForwardBatch:
                    block_table=block_table,
                    slot_mapping=cls.slots(block_table, prefix, cu_q, page_size, int(sum(q_lens))),
                    tree_mask=tree_mask)
+
+
+def prompt_chunks(input_ids: torch.Tensor, positions: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
+                  block_table: torch.Tensor, page_size: int) -> ForwardBatch:
+    """Prompt chunks of ``q_lens`` tokens after ``prefix_lens`` cached ones: the verify form with a causal mask over
+    each chunk, and the chunks' :class:`ChunkContext`."""
+    fb = ForwardBatch.build(input_ids, positions, q_lens, prefix_lens, block_table, page_size,
+                            causal_tree_mask(q_lens, input_ids.device))
+    lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    fb.context = ChunkContext(lens, device_array(np.cumsum([0, *lens]), input_ids.device, np.int32), fb.block_table,
+                              page_size)
+    return fb
 
 
 def uniform_batch(input_ids: torch.Tensor, positions: torch.Tensor, width: int, prefix_lens: torch.Tensor,

@@ -1,7 +1,8 @@
 """Kimi K2 / DeepSeek-V3 target: MLA attention over a paged latent cache and sigmoid-routed MoE.
 
-Prefill runs MLA in its plain form (keys and values expanded per head, one variable-length FlashAttention call
-over the batch's prompts on a GPU); verify steps run the absorbed
+Prefill runs MLA in its plain form (keys and values expanded per head, ``prefill_attention``: cuDNN or one
+variable-length FlashAttention call over the batch's prompts on a GPU), and so do long prompt chunks after cached
+tokens (``PLAIN_CHUNK_TOKENS``), over the cached positions too; verify steps and shorter chunks run the absorbed
 form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
@@ -31,6 +32,11 @@ from kdray.model.parallel import SINGLE, shard_range
 
 # HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+# Prompt chunks after cached tokens of at least this many new tokens each run attention in the plain form over the
+# cached and new positions (their latent rows expanded by kv_b), fewer in the absorbed form. H200, K2 TP8 shard, one
+# layer: 16,384 cached + 2048 new 0.96 ms plain (FlashAttention) against 1.50 absorbed; + 512 new 0.87 against 0.34
+# (a few query tiles a head leave the plain kernel most SMs idle, where the absorbed one splits the keys).
+PLAIN_CHUNK_TOKENS = 2048
 
 
 class MLAttention(nn.Module):
@@ -79,11 +85,13 @@ class MLAttention(nn.Module):
         nope, L = c.qk_nope_head_dim, c.kv_lora_rank
         q, kv_a = self._queries_and_latent(x)  # [T, Hl, nope + rope], [T, kv_lora + rope]
         rows = cache.view(-1, c.kv_cache_dim)  # [P * S, kv_lora + rope]
-        if batch.is_prefill:
+        ctx = batch.context  # prompt chunks after cached tokens
+        if batch.is_prefill or (ctx is not None and min(batch.q_lens) >= PLAIN_CHUNK_TOKENS):
             q_pe = q[..., nope:]
             mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q_pe, q_pe, rows,
                            batch.slot_mapping)
-            latent, k_pe = rows[batch.slot_mapping].split([L, c.qk_rope_head_dim], dim=-1)  # as cached
+            keys = batch.slot_mapping if ctx is None else ctx.slots  # the prompts' rows, after their cached ones
+            latent, k_pe = rows[keys].split([L, c.qk_rope_head_dim], dim=-1)  # as cached
             out = self._plain(q, latent, k_pe, batch)
         else:
             q_attn = torch.empty(T, self.heads, c.kv_cache_dim, dtype=q.dtype, device=q.device)  # [T, Hl, L + rope]
@@ -102,12 +110,14 @@ class MLAttention(nn.Module):
 
     def _plain(self, q, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
         """Causal attention per prompt with keys and values expanded per head: queries ``[T, Hl, nope + rope]`` (their
-        rope part already roped in place) -> ``[T, Hl, v]``."""
-        c = self.cfg
+        rope part already roped in place), the keys' latent and roped rows ``[Tk, *]`` (the prompts' own, or with a
+        ``batch.context`` their cached ones first) -> ``[T, Hl, v]``."""
+        c, ctx = self.cfg, batch.context
         kv = self.kv_b_proj(latent).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)  # [T, Hl, nope + rope]
-        return prefill_attention(q, k, v, batch.cu_q, batch.q_lens, c.softmax_scale)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)  # [Tk, Hl, nope + rope]
+        keys = () if ctx is None else (ctx.cu, ctx.lens)
+        return prefill_attention(q, k, v, batch.cu_q, batch.q_lens, c.softmax_scale, *keys)
 
     def load(self, reader: CheckpointReader, prefix: str):
         lora = self.cfg.q_lora_rank is not None
