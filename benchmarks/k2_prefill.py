@@ -23,8 +23,8 @@ experts, the router; not the embedding, and the vocabulary projection for the la
 routed experts x 3 x hidden x expert width per MoE layer + causal attention, 2 x heads x (qk + v head dims: 192 +
 128 for K2, 64 + 64 for SmolLM2) x N(N+1)/2 per prompt and layer (for K2 after a cached prefix, chunks of
 ``PLAIN_CHUNK_TOKENS`` or more count the plain form's dims over every visible key and kv_b's expansion of the cached
-rows, shorter ones the absorbed form's 2 x heads x (576 + 512) per query and visible key); the ratios of both times to it; prompt tokens per second (eager);
-and the GPU time by kind
+rows, shorter ones the absorbed form's 2 x heads x (576 + 512) per query and visible key); the ratios of both times
+to it; prompt tokens per second (eager); and the GPU time by kind
 (attention, routed experts, GEMMs, the rest) from a torch.profiler pass, the largest kernels printed above the
 table.
 """

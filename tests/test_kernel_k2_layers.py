@@ -135,4 +135,3 @@ def test_long_chunks_after_cached_tokens_take_the_plain_form(monkeypatch):
     assert len(plain) == cfg.num_hidden_layers  # the absorbed pass did not call it
     assert torch.isfinite(plain_form).all()
     assert rel_err(plain_form, absorbed) < 3e-2
-
