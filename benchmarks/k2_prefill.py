@@ -44,7 +44,7 @@ import kdray  # noqa: E402
 from benchmarks.common import Ceilings, print_table, time_us  # noqa: E402
 from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
 from kdray.config import K2Config, LlamaConfig  # noqa: E402
-from kdray.model.batch import ForwardBatch, prompt_chunks  # noqa: E402
+from kdray.model.batch import prompt_chunks  # noqa: E402
 from kdray.model.dummy import fill_random  # noqa: E402
 from kdray.model.k2 import PLAIN_CHUNK_TOKENS  # noqa: E402
 from kdray.model.llama import LlamaModel  # noqa: E402
@@ -83,9 +83,7 @@ def prefill_batch(model, B: int, P: int, N: int):
     table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
     ids = torch.randint(0, cfg.vocab_size, (B * N,), device="cuda", generator=g)
     positions = (P + torch.arange(N, device="cuda")).repeat(B)
-    if P:  # a chunk after cached tokens, as the engine builds it
-        return prompt_chunks(ids, positions, [N] * B, [P] * B, table, PAGE), kv
-    return ForwardBatch.build(ids, positions, [N] * B, [P] * B, table, PAGE, None), kv
+    return prompt_chunks(ids, positions, [N] * B, [P] * B, table, PAGE), kv  # as the engine builds it
 
 
 def prefill_flops(model, B: int, P: int, N: int) -> float:

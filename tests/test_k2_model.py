@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kdray import LLM, SamplingParams
 import kdray.model.k2 as k2
-from kdray.model.batch import ForwardBatch, prompt_chunks
+from kdray.model.batch import prompt_chunks
 from kdray.model.checkpoint import CheckpointError
 from kdray.model.loader import load_target
 from kdray.model.k2 import MoE
@@ -32,11 +32,7 @@ def forward_logits(target, chunks: list[list[int]], prefix: list[int] | None = N
     prefix = prefix or [0] * B
     ids = torch.tensor([t for c in chunks for t in c])
     pos = torch.cat([torch.arange(p, p + len(c)) for p, c in zip(prefix, chunks)])
-    lens = [len(c) for c in chunks]
-    if any(prefix):  # chunks after cached tokens, as the engine builds them
-        batch = prompt_chunks(ids, pos, lens, prefix, table, PAGE)
-    else:
-        batch = ForwardBatch.build(ids, pos, lens, prefix, table, PAGE, None)
+    batch = prompt_chunks(ids, pos, [len(c) for c in chunks], prefix, table, PAGE)  # as the engine builds it
     hidden, _ = m(batch, kv)
     return m.logits(hidden), kv
 

@@ -315,10 +315,10 @@ class ModelRunner:
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk (a graphed
         # chunk has its bucket's own)
         table = self.slots.block_table[idx]
-        if any(batch.starts) and not graphed:
-            fb = prompt_chunks(ids, positions, lens, batch.starts, table, self.page_size)
-        else:
+        if graphed:
             fb = ForwardBatch.build(ids, positions, lens, batch.starts, table, self.page_size, None)
+        else:
+            fb = prompt_chunks(ids, positions, lens, batch.starts, table, self.page_size)
         last = fb.cu_q[1:].long() - 1  # [B]
         scores = None
         if scored:

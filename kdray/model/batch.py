@@ -88,7 +88,9 @@ class ForwardBatch:
 def prompt_chunks(input_ids: torch.Tensor, positions: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
                   block_table: torch.Tensor, page_size: int) -> ForwardBatch:
     """Prompt chunks of ``q_lens`` tokens after ``prefix_lens`` cached ones: the verify form with a causal mask over
-    each chunk, and the chunks' :class:`ChunkContext`."""
+    each chunk, and the chunks' :class:`ChunkContext`; with nothing cached, the prefill form."""
+    if not any(prefix_lens):
+        return ForwardBatch.build(input_ids, positions, q_lens, prefix_lens, block_table, page_size, None)
     fb = ForwardBatch.build(input_ids, positions, q_lens, prefix_lens, block_table, page_size,
                             causal_tree_mask(q_lens, input_ids.device))
     lens = [p + n for p, n in zip(prefix_lens, q_lens)]
