@@ -57,7 +57,7 @@ TARGETS = {1024: 3.0}  # time / floor of issue 21; 4096 tokens and beyond: 2.0
 FLOOR_FLOP_PER_S = 790e12  # the compute floor's rate: issue 21's, the H200's dense bf16 GEMM rate
 HEADER = ["prompts", "tokens", "time ms", "graphed ms", "floor ms", "time / floor", "graphed / floor", "target",
           "prompt tok/s", "attention / experts / GEMM / rest ms"]
-KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tva_")),
+KINDS = (("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "tva_", "mla_prefill")),
          ("experts", ("w4a16", "moe")),
          ("GEMM", ("gemm", "sm90", "cutlass", "cublas", "nvjet", "xmma", "splitk")))
 

@@ -1,6 +1,6 @@
 """GPU kernel benchmark: every kdray CUDA op against the machine's measured ceilings and a torch baseline.
 
-    python benchmarks/kernels.py [--only tree,attention,moe]
+    python benchmarks/kernels.py [--only tree,attention,prefill,moe,linear]
 
 Prints one Markdown table (time, ratio to the roofline floor, achieved rate, speed-up over the named
 torch baseline, the target) for pasting into benchmarks/RESULTS.md.
@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Ceilings, print_table  # noqa: E402
 
-SECTIONS = {"tree": "benchmarks.bench_tree", "attention": "benchmarks.bench_attention", "moe": "benchmarks.bench_moe",
+SECTIONS = {"tree": "benchmarks.bench_tree", "attention": "benchmarks.bench_attention",
+            "prefill": "benchmarks.bench_prefill_attention", "moe": "benchmarks.bench_moe",
             "linear": "benchmarks.bench_linear"}
 
 

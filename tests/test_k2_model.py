@@ -70,12 +70,12 @@ def test_chunks_after_the_latent_cache_match_whole_prompts(hf_k2, form, monkeypa
     cut = [12, 17]
     _, kv = forward_logits(target, [f[:c] for f, c in zip(full, cut)])
     plain_calls = []
-    attend = k2.prefill_attention
-    monkeypatch.setattr(k2, "prefill_attention", lambda *a: plain_calls.append(len(a)) or attend(*a))
+    attend = k2.mla_prefill_attention
+    monkeypatch.setattr(k2, "mla_prefill_attention", lambda *a: plain_calls.append(len(a)) or attend(*a))
     if form == "plain":
         monkeypatch.setattr(k2, "PLAIN_CHUNK_TOKENS", 4)
     tail, _ = forward_logits(target, [f[c:] for f, c in zip(full, cut)], prefix=cut, kv=kv)
-    assert plain_calls == ([8] * target.model.cfg.num_hidden_layers if form == "plain" else [])  # with the keys' cu
+    assert plain_calls == ([9] * target.model.cfg.num_hidden_layers if form == "plain" else [])  # with the keys' cu
     expect = torch.cat([whole[cut[0]:30], whole[30 + cut[1]:]])
     assert rel_err(tail, expect) < 1e-5
 

@@ -121,8 +121,8 @@ def test_long_chunks_after_cached_tokens_take_the_plain_form(monkeypatch):
     positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, q_lens)]).cuda()
     batch = prompt_chunks(ids, positions, q_lens, prefix, table, page)
     plain = []
-    attend = k2.prefill_attention
-    monkeypatch.setattr(k2, "prefill_attention", lambda *a: plain.append(len(a) == 8) or attend(*a))
+    attend = k2.mla_prefill_attention
+    monkeypatch.setattr(k2, "mla_prefill_attention", lambda *a: plain.append(len(a) == 9) or attend(*a))
 
     def hidden():
         with torch.no_grad():

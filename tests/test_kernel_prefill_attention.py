@@ -5,7 +5,8 @@ long ones), so prompts of 64k tokens are checked without a 64k x 64k score matri
 import pytest
 import torch
 
-from kdray.kernels.prefill_attention import prefill_attention
+from kdray.kernels import prefill_attention as pa
+from kdray.kernels.prefill_attention import mla_prefill_attention, prefill_attention
 
 K2_DIMS = (192, 128)  # MLA's query/key and value head dims
 LLAMA_DIMS = (64, 64)
@@ -19,24 +20,25 @@ def packed(lens, H, Hkv, dims, dtype, device, seed=0):
     return q, k, v, cu
 
 
-def sampled_rows(lens, per_prompt=48, seed=0):
-    """(global row, prompt start) of the rows to check."""
-    g, rows, start = torch.Generator().manual_seed(seed), [], 0
-    for n in lens:
+def sampled_rows(lens, per_prompt=48, seed=0, prefixes=None):
+    """(query row, its prompt's first key row, its last visible key row) of the rows to check; with ``prefixes``, the
+    prompts' keys are that many cached positions followed by their own."""
+    g, rows, start, k_start = torch.Generator().manual_seed(seed), [], 0, 0
+    for n, p in zip(lens, prefixes or [0] * len(lens)):
         local = range(n) if n <= per_prompt else sorted({0, n - 1, *torch.randint(0, n, (per_prompt,), generator=g)
                                                           .tolist()})
-        rows += [(start + i, start) for i in local]
-        start += n
+        rows += [(start + i, k_start, k_start + p + i) for i in local]
+        start, k_start = start + n, k_start + p + n
     return rows
 
 
 def reference_rows(q, k, v, rows, scale):
-    """float64 causal attention of the given rows -> ``[len(rows), H, Dv]``."""
+    """float64 attention of the given rows to their keys -> ``[len(rows), H, Dv]``."""
     H, Hkv = q.shape[1], k.shape[1]
     out = []
-    for i, start in rows:
-        kk = k[start:i + 1].double().repeat_interleave(H // Hkv, dim=1)  # [n, H, D]
-        vv = v[start:i + 1].double().repeat_interleave(H // Hkv, dim=1)
+    for i, first, last in rows:
+        kk = k[first:last + 1].double().repeat_interleave(H // Hkv, dim=1)  # [n, H, D]
+        vv = v[first:last + 1].double().repeat_interleave(H // Hkv, dim=1)
         p = torch.einsum("hd,nhd->hn", q[i].double(), kk).mul(scale).softmax(-1)  # [H, n]
         out.append(torch.einsum("hn,nhd->hd", p, vv))
     return torch.stack(out)
@@ -49,7 +51,7 @@ def check(lens, H, Hkv, dims, dtype, device, tol):
     assert out.shape == (sum(lens), H, dims[1]) and out.dtype == dtype
     rows = sampled_rows(lens)
     ref = reference_rows(q, k, v, rows, scale)  # on the device: float64 on a GPU is fast
-    got = out[torch.tensor([r for r, _ in rows], device=device)].double()
+    got = out[torch.tensor([r for r, _, _ in rows], device=device)].double()
     err = (got - ref).abs().max().item()
     assert err < tol, f"max error {err} for prompts {lens[:4]}..."
 
@@ -82,14 +84,9 @@ def test_chunks_after_cached_tokens_attend_to_them(device, lens, prefixes):
     q, k, v, cu_q, cu_k, k_lens = chunk_case(lens, prefixes, 8, K2_DIMS, dtype, device)
     out = prefill_attention(q, k, v, cu_q, lens, 0.07, cu_k, k_lens)
     assert out.shape == (sum(lens), 8, K2_DIMS[1]) and out.dtype == dtype
-    for b, (n, p) in enumerate(zip(lens, prefixes)):
-        qs, ks = sum(lens[:b]), sum(k_lens[:b])
-        for t in sorted({0, n - 1, n // 2}):
-            kk, vv = k[ks:ks + p + t + 1].double(), v[ks:ks + p + t + 1].double()
-            w = torch.einsum("hd,nhd->hn", q[qs + t].double(), kk).mul(0.07).softmax(-1)
-            ref = torch.einsum("hn,nhd->hd", w, vv)
-            err = (out[qs + t].double() - ref).abs().max().item()
-            assert err < (2e-2 if device == "cuda" else 1e-5), (b, t, err)
+    rows = sampled_rows(lens, per_prompt=3, prefixes=prefixes)
+    err = (out[[r for r, _, _ in rows]].double() - reference_rows(q, k, v, rows, 0.07)).abs().max().item()
+    assert err < (2e-2 if device == "cuda" else 1e-5), err
 
 
 def test_chunk_keys_must_cover_their_queries():
@@ -125,3 +122,83 @@ def test_cuda_matches_float64(lens, H, Hkv, dims, dtype):
     if dtype == torch.float32 and max(lens) > 4096:
         pytest.skip("the fp32 path is the per-prompt reference; long prompts are the flash path's")
     check(lens, H, Hkv, dims, dtype, "cuda", 2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def mla_parts(lens, prefixes, H, dtype, device, seed=3):
+    """MLA's keys as the layer has them: q ``[T, H, 192]``, kv_b's output ``[Tk, H, 256]`` (nope | values) and the
+    cache rows ``[Tk, 576]`` (latent | rope), plus cu_q, cu_k, k_lens; and the whole keys ``[Tk, H, 192]``."""
+    g = torch.Generator().manual_seed(seed)
+    k_lens = [p + n for p, n in zip(prefixes, lens)]
+    T, Tk = sum(lens), sum(k_lens)
+    q = torch.randn(T, H, 192, generator=g).to(device, dtype)
+    kv = torch.randn(Tk, H, 256, generator=g).to(device, dtype)
+    rows = torch.randn(Tk, 576, generator=g).to(device, dtype)
+    cu_q, cu_k = (torch.tensor([0, *n]).cumsum(0).to(torch.int32).to(device) for n in (lens, k_lens))
+    k_nope, v, k_pe = kv[..., :128], kv[..., 128:], rows[:, 512:]  # strided views, as in the layer
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
+    return q, k_nope, k_pe, v, cu_q, cu_k, k_lens, k
+
+
+def check_mla(lens, prefixes, H, dtype, device, tol, per_prompt=48, kernel=False):
+    """mla_prefill_attention (or with ``kernel``, the tensor-core kernel whatever the lengths) against float64."""
+    q, k_nope, k_pe, v, cu_q, cu_k, k_lens, k = mla_parts(lens, prefixes, H, dtype, device)
+    if kernel:
+        out = pa._mla_prefill_cuda(q, k_nope, k_pe, v, cu_q, cu_k, len(lens), 0.07)
+    else:
+        out = mla_prefill_attention(q, k_nope, k_pe, v, cu_q, lens, 0.07, cu_k, k_lens)
+    assert out.shape == (sum(lens), H, 128) and out.dtype == dtype
+    rows = sampled_rows(lens, per_prompt, prefixes=prefixes)
+    got = out[torch.tensor([r for r, _, _ in rows], device=device)].double()
+    err = (got - reference_rows(q, k, v, rows, 0.07)).abs().max().item()
+    assert err < tol, f"max error {err} for prompts {lens[:4]}... after {prefixes[:4]}..."
+
+
+def test_mla_parts_off_hopper_join_the_keys_and_match_float64():
+    check_mla([5, 1, 17], [0, 0, 0], 4, torch.float32, "cpu", 1e-5)
+    check_mla([6, 3], [9, 0], 4, torch.float32, "cpu", 1e-5)
+
+
+def test_mla_parts_bad_shapes_are_an_error():
+    q, k_nope, k_pe, v, cu_q, _, _, _ = mla_parts([4, 4], [0, 0], 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="mla_prefill_attention"):
+        mla_prefill_attention(q, k_nope, k_pe[:, :32], v, cu_q, [4, 4], 0.1)
+    with pytest.raises(ValueError, match="summing to 7"):
+        mla_prefill_attention(q, k_nope, k_pe, v, cu_q, [4, 3], 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,prefixes,H", [
+    ([1], [0], 8),  # one token
+    ([64], [0], 8),  # one tile exactly
+    ([65, 127, 129], [0, 0, 0], 8),  # a row past a warpgroup's 64 or a CTA's 128, ragged
+    ([128, 192, 200], [0, 0, 0], 8),
+    ([1, 2, 3, 100, 1000], [0] * 5, 8),  # ragged
+    ([4096, 17, 2049], [0, 0, 0], 64),  # K2's whole 64 heads
+    ([2048] * 8, [0] * 8, 8),
+    ([16384], [0], 8),
+    ([65536], [0], 8),  # a 64k prompt on a TP8 shard
+    ([5, 3, 2048], [7, 0, 16384], 8),  # chunks after cached tokens
+    ([1], [40], 8),
+    ([300, 2048], [2100, 16], 64),
+])
+def test_mla_kernel_matches_float64(lens, prefixes, H):
+    """The tensor-core kernel (Hopper) on ragged prompts, with the keys' parts as strided views."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("mla_prefill_mma is a Hopper (sm_90a) kernel")
+    assert pa._mla_kernel_takes(*mla_parts([1], [0], 8, torch.bfloat16, "cuda")[:4])  # it takes the layer's views
+    check_mla(lens, prefixes, H, torch.bfloat16, "cuda", 2e-2, kernel=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,prefixes,kernel", [
+    ([2048, 5], [0, 0], True),
+    ([1024], [pa.MLA_CUDNN_PROMPT], True),  # cached keys: the kernel, however long
+    ([pa.MLA_CUDNN_PROMPT], [0], False),  # long prompts alone: cuDNN on the joined keys
+])
+def test_mla_prompts_take_the_kernel_below_the_cudnn_length(monkeypatch, lens, prefixes, kernel):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("mla_prefill_mma is a Hopper (sm_90a) kernel")
+    calls, launch = [], pa._mla_prefill_cuda
+    monkeypatch.setattr(pa, "_mla_prefill_cuda", lambda *a: calls.append(1) or launch(*a))
+    check_mla(lens, prefixes, 8, torch.bfloat16, "cuda", 2e-2, per_prompt=4)
+    assert bool(calls) == kernel

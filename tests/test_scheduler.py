@@ -65,8 +65,8 @@ def test_chunks_in_the_plain_form_change_nothing(reference, mode, monkeypatch):
     """Prompt chunks after cached tokens with attention in the plain form (``PLAIN_CHUNK_TOKENS`` lowered to one
     token: the cached rows expanded by kv_b) give every output of the unchunked run."""
     plain = []
-    attend = k2.prefill_attention
-    monkeypatch.setattr(k2, "prefill_attention", lambda *a: plain.append(len(a) == 8) or attend(*a))
+    attend = k2.mla_prefill_attention
+    monkeypatch.setattr(k2, "mla_prefill_attention", lambda *a: plain.append(len(a) == 9) or attend(*a))
     monkeypatch.setattr(k2, "PLAIN_CHUNK_TOKENS", 1)
     for params in PARAMS:
         llm = LLM(model="k2-tiny", prefill_chunk=16, prefix_caching=False, **MODES[mode])

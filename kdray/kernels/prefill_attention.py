@@ -23,18 +23,37 @@ CUDA tensors in bf16 / fp16 run on tensor cores with nothing T x T in memory:
 
 Where cuDNN cannot take a prompt, SDPA falls back to its memory-efficient kernel. Other tensors (the CPU, fp32 on a
 GPU) run the reference: one SDPA per prompt on 4-D tensors (fused kernels where the backend has one).
+
+MLA's layers call :func:`mla_prefill_attention` with the keys in their two parts (the per-head nope columns of kv_b's
+output, the rope column shared by the heads). On Hopper in bf16 at K2's head dims it is one launch of our kernel
+(``cuda/prefill_attention.cu``), which reads both parts and the values where they lie, so no ``[keys, heads, 192]``
+key tensor is built; elsewhere, and for prompts all of ``MLA_CUDNN_PROMPT`` tokens or more, it builds that tensor and
+calls :func:`prefill_attention`. On the H200 at K2's TP8-shard dims (8 heads), graph-replayed, against the joined keys
+and the paths above (``benchmarks/kernels.py --only prefill``): one prompt of 1k tokens 29.5-31.0 against 33.4-37 us,
+4k 99-101 against 151, 16k 1.28-1.29 against 1.27 ms, 64k 21.9 against 19.0 ms; 8 x 2048 tokens 208 against 425 us;
+2048 new tokens after 16,384 cached 0.37 against 0.88 ms.
 """
 from __future__ import annotations
 
 from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kdray.kernels.cuda_module import launch
+
 MAX_FLASH_HEAD_DIM = 256  # FlashAttention's largest head dim
 LONG_PROMPT = 2048  # MLA batches whose prompts are all at least this long run through cuDNN, one call each
 LONG_PROMPT_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # in this order
+MLA_KERNEL_DIMS = (128, 64, 128)  # (nope, rope, value) head dims of mla_prefill_mma: DeepSeek-V3's and Kimi K2's
+# MLA prompts all this long (no cached keys) run on cuDNN with the keys joined instead (H200, K2 TP8 shard, 8 heads, a
+# layer: one 65,536-token prompt 19.0 ms there against 21.9 on mla_prefill_mma; 16,384 tokens 1.27 against 1.28-1.29,
+# and the 61-layer pass 458 against 464 ms; 4096 tokens 151 against 99-101 us).
+MLA_CUDNN_PROMPT = 16384
+_ROWS = 128  # query rows per CTA of mla_prefill_mma (MP_ROWS in cuda/prefill_attention.cu), 64 a warpgroup
+_MLA_SMEM = 4 * 64 * (192 + 128) * 2 + _ROWS * 192 * 2 + 64  # its shared memory: 4 stages of keys and values, Q, mbarriers
 
 
 def per_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], scale: float,
@@ -66,6 +85,14 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return out if Dv == D else out[..., :Dv]
 
 
+def _check_lengths(T: int, Tk: int, q_lens: list[int], k_lens: list[int], what: str):
+    if sum(q_lens) != T or sum(k_lens) != Tk or len(k_lens) != len(q_lens) or any(
+            m < n for m, n in zip(k_lens, q_lens)):
+        raise ValueError(f"{what}: prompt lengths summing to {sum(q_lens)} and key lengths summing to {sum(k_lens)} "
+                         f"do not fit {T} query rows and {Tk} key rows with each prompt's keys (with cu_k) at least "
+                         "its queries")
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, q_lens: list[int],
                       scale: float, cu_k: torch.Tensor | None = None, k_lens: list[int] | None = None
                       ) -> torch.Tensor:
@@ -77,13 +104,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
     Hkv, Dv = v.shape[1], v.shape[2]
     chunks = k_lens is not None and list(k_lens) != list(q_lens)
     k_lens, cu_k = (k_lens, cu_k) if k_lens is not None else (q_lens, cu)
-    Tk = sum(k_lens)
-    if (k.shape != (Tk, Hkv, D) or v.shape[0] != Tk or H % Hkv or sum(q_lens) != T or cu_k is None
-            or len(k_lens) != len(q_lens) or any(m < n for m, n in zip(k_lens, q_lens))):
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, prompt "
-                         f"lengths summing to {sum(q_lens)} and key lengths summing to {Tk} do not fit [T, H, D] / "
-                         "[Tk, Hkv, D] / [Tk, Hkv, Dv] with H a multiple of Hkv and each prompt's keys (with cu_k) "
-                         "at least its queries")
+    Tk = k.shape[0]
+    if k.shape != (Tk, Hkv, D) or v.shape[0] != Tk or H % Hkv or cu_k is None:
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                         "[T, H, D] / [Tk, Hkv, D] / [Tk, Hkv, Dv] with H a multiple of Hkv (and cu_k with k_lens)")
+    _check_lengths(T, Tk, q_lens, k_lens, "prefill_attention")
     flash = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= MAX_FLASH_HEAD_DIM
              and D % 8 == 0)
     if not flash:
@@ -92,3 +117,56 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
         return _flash_varlen(q, k, v, cu, q_lens, scale, cu_k, k_lens)
     with sdpa_kernel(LONG_PROMPT_BACKENDS, set_priority=True):
         return per_prompt_sdpa(q, k, v, q_lens, scale)
+
+
+def mla_prefill_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                          cu: torch.Tensor, q_lens: list[int], scale: float, cu_k: torch.Tensor | None = None,
+                          k_lens: list[int] | None = None) -> torch.Tensor:
+    """MLA's causal prefill attention with the keys in two parts: q ``[T, H, nope + rope]`` (its rope part roped),
+    k_nope ``[Tk, H, nope]``, k_pe ``[Tk, rope]`` (each position's roped key, shared by the heads), v ``[Tk, H, Dv]``
+    -> ``[T, H, Dv]``; cu, q_lens, cu_k, k_lens as :func:`prefill_attention`'s. k_nope, k_pe and v may be strided
+    views (kv_b's output split in two, the cache rows' rope part)."""
+    T, H, D = q.shape
+    Tk, nope, rope, Dv = k_nope.shape[0], k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]
+    if (k_nope.shape != (Tk, H, nope) or k_pe.shape != (Tk, rope) or v.shape != (Tk, H, Dv) or nope + rope != D):
+        raise ValueError(f"mla_prefill_attention: q {tuple(q.shape)}, k_nope {tuple(k_nope.shape)}, k_pe "
+                         f"{tuple(k_pe.shape)}, v {tuple(v.shape)} do not fit [T, H, nope + rope] / [Tk, H, nope] / "
+                         "[Tk, rope] / [Tk, H, Dv]")
+    cached = k_lens is not None and list(k_lens) != list(q_lens)
+    if not _mla_kernel_takes(q, k_nope, k_pe, v) or (q_lens and not cached and min(q_lens) >= MLA_CUDNN_PROMPT):
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)  # [Tk, H, nope + rope]
+        return prefill_attention(q, k, v, cu, q_lens, scale, *(() if cu_k is None else (cu_k, k_lens)))
+    k_lens, cu_k = (q_lens, cu) if k_lens is None else (k_lens, cu_k)
+    _check_lengths(T, Tk, q_lens, k_lens, "mla_prefill_attention")
+    if any(c is None or c.dtype != torch.int32 or c.device != q.device or c.shape != (len(q_lens) + 1,)
+           for c in (cu, cu_k)):
+        raise ValueError(f"mla_prefill_attention: cu and cu_k (with k_lens) must be int32 [{len(q_lens) + 1}] on "
+                         f"{q.device}")
+    return _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, len(q_lens), scale)
+
+
+def _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, B: int, scale: float) -> torch.Tensor:
+    """One launch of mla_prefill_mma (checked by the caller) -> ``[T, H, Dv]``."""
+    T, H, _ = q.shape
+    out = torch.empty(T, H, v.shape[-1], dtype=q.dtype, device=q.device)  # [T, H, Dv]
+    if T == 0:
+        return out
+    i32 = np.int32
+    tiles = -(-T // _ROWS) + min(B, T) - 1  # >= the prompts' ceil(q_len / 128) summed
+    launch("prefill_attention", "mla_prefill_mma", (H, tiles), (256,),
+           (q, k_nope, k_pe, v, cu, cu_k, out, i32(B), i32(H), i32(q.stride(0)), i32(k_nope.stride(0)),
+            i32(k_nope.stride(1)), i32(k_pe.stride(0)), i32(v.stride(0)), i32(v.stride(1)),
+            np.float32(scale * 1.4426950408889634)),  # scale * log2(e)
+           shared_mem=_MLA_SMEM, device=q.device)
+    return out
+
+
+def _mla_kernel_takes(q, k_nope, k_pe, v) -> bool:
+    """Does mla_prefill_mma take these tensors: bf16 on one Hopper GPU, K2's head dims, rows of 16-byte aligned
+    contiguous columns?"""
+    ts = (q, k_nope, k_pe, v)
+    if not (q.is_cuda and all(t.device == q.device and t.dtype == torch.bfloat16 for t in ts)
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and (k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]) == MLA_KERNEL_DIMS and q.is_contiguous()):
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in ts)

@@ -239,7 +239,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
                + geo_args, shared_mem=(dk + 4 * (dv + 2)) * 4, device=dev)
         return out
     kernel, warpgroups, _ = mma
-    defines = (("TVA_MMA_SYNC", 1),) if mma_sync else ()
+    defines = (("ATTN_MMA_SYNC", 1),) if mma_sync else ()
     ws_o, ws_ml = (ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (0, 0)  # 0: null pointers
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
            inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits), i32(early_prefix)),

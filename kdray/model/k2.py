@@ -1,7 +1,8 @@
 """Kimi K2 / DeepSeek-V3 target: MLA attention over a paged latent cache and sigmoid-routed MoE.
 
-Prefill runs MLA in its plain form (keys and values expanded per head, ``prefill_attention``: cuDNN or one
-variable-length FlashAttention call over the batch's prompts on a GPU), and so do long prompt chunks after cached
+Prefill runs MLA in its plain form (keys and values expanded per head by kv_b, ``mla_prefill_attention``: our
+tensor-core kernel on Hopper, which reads the per-head and the shared rope key parts where they lie; elsewhere cuDNN
+or one variable-length FlashAttention call over the batch's prompts), and so do long prompt chunks after cached
 tokens (``PLAIN_CHUNK_TOKENS``), over the cached positions too; verify steps and shorter chunks run the absorbed
 form over the latent cache (576 values per token and layer for K2), through the tree-verify kernel.
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
@@ -20,7 +21,7 @@ from torch import nn
 from kdray.config import K2Config
 from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.moe_route import moe_route
-from kdray.kernels.prefill_attention import prefill_attention
+from kdray.kernels.prefill_attention import mla_prefill_attention
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_bmm, skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
@@ -33,10 +34,10 @@ from kdray.model.parallel import SINGLE, shard_range
 # HF builds q_a_layernorm / kv_a_layernorm with its default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 # Prompt chunks after cached tokens of at least this many new tokens each run attention in the plain form over the
-# cached and new positions (their latent rows expanded by kv_b), fewer in the absorbed form. H200, K2 TP8 shard, one
-# layer: 16,384 cached + 2048 new 0.96 ms plain (FlashAttention) against 1.50 absorbed; + 512 new 0.87 against 0.34
-# (a few query tiles a head leave the plain kernel most SMs idle, where the absorbed one splits the keys).
-PLAIN_CHUNK_TOKENS = 2048
+# cached and new positions (their latent rows expanded by kv_b), fewer in the absorbed form. H200, K2 TP8 shard, the
+# 61-layer pass from a CUDA graph, plain (mla_prefill_mma) against absorbed: 16,384 cached + 1024 new 67.1 against
+# 86.4 ms; + 512 new 56.3 against 54.9; 2048 cached + 512 new 36.3 against 37.8; + 256 new 34.4 against 34.1.
+PLAIN_CHUNK_TOKENS = 1024
 
 
 class MLAttention(nn.Module):
@@ -113,11 +114,10 @@ class MLAttention(nn.Module):
         rope part already roped in place), the keys' latent and roped rows ``[Tk, *]`` (the prompts' own, or with a
         ``batch.context`` their cached ones first) -> ``[T, Hl, v]``."""
         c, ctx = self.cfg, batch.context
-        kv = self.kv_b_proj(latent).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
+        kv = self.kv_b_proj(latent).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)  # [Tk, Hl, nope + v]
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)  # [Tk, Hl, nope + rope]
         keys = () if ctx is None else (ctx.cu, ctx.lens)
-        return prefill_attention(q, k, v, batch.cu_q, batch.q_lens, c.softmax_scale, *keys)
+        return mla_prefill_attention(q, k_nope, k_pe, v, batch.cu_q, batch.q_lens, c.softmax_scale, *keys)
 
     def load(self, reader: CheckpointReader, prefix: str):
         lora = self.cfg.q_lora_rank is not None
