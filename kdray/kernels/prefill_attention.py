@@ -53,7 +53,7 @@ MLA_KERNEL_DIMS = (128, 64, 128)  # (nope, rope, value) head dims of mla_prefill
 # and the 61-layer pass 458 against 464 ms; 4096 tokens 151 against 99-101 us).
 MLA_CUDNN_PROMPT = 16384
 _ROWS = 128  # query rows per CTA of mla_prefill_mma (MP_ROWS in cuda/prefill_attention.cu), 64 a warpgroup
-_MLA_SMEM = 4 * 64 * (192 + 128) * 2 + _ROWS * 192 * 2 + 64  # its shared memory: 4 stages of keys and values, Q, mbarriers
+_MLA_SMEM = (4 * 64 * sum(MLA_KERNEL_DIMS) + _ROWS * sum(MLA_KERNEL_DIMS[:2])) * 2 + 64  # 4 stages of keys and values, Q, mbarriers
 
 
 def per_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], scale: float,
@@ -85,12 +85,21 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return out if Dv == D else out[..., :Dv]
 
 
-def _check_lengths(T: int, Tk: int, q_lens: list[int], k_lens: list[int], what: str):
+def _key_rows(T: int, Tk: int, cu: torch.Tensor, q_lens: list[int], cu_k: torch.Tensor | None,
+              k_lens: list[int] | None, what: str) -> tuple[torch.Tensor, list[int], bool]:
+    """The prompts' key rows ``(cu_k, k_lens, cached)``: the queries' own unless ``k_lens`` (with ``cu_k``) says
+    otherwise, checked against ``T`` query rows and ``Tk`` key rows; ``cached``: some prompt has keys before its
+    queries."""
+    cached = k_lens is not None and list(k_lens) != list(q_lens)
+    cu_k, k_lens = (cu, q_lens) if k_lens is None else (cu_k, k_lens)
+    if cu_k is None:
+        raise ValueError(f"{what}: k_lens needs cu_k, its device copy")
     if sum(q_lens) != T or sum(k_lens) != Tk or len(k_lens) != len(q_lens) or any(
             m < n for m, n in zip(k_lens, q_lens)):
         raise ValueError(f"{what}: prompt lengths summing to {sum(q_lens)} and key lengths summing to {sum(k_lens)} "
                          f"do not fit {T} query rows and {Tk} key rows with each prompt's keys (with cu_k) at least "
                          "its queries")
+    return cu_k, k_lens, cached
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, q_lens: list[int],
@@ -102,13 +111,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
     otherwise."""
     T, H, D = q.shape
     Hkv, Dv = v.shape[1], v.shape[2]
-    chunks = k_lens is not None and list(k_lens) != list(q_lens)
-    k_lens, cu_k = (k_lens, cu_k) if k_lens is not None else (q_lens, cu)
     Tk = k.shape[0]
-    if k.shape != (Tk, Hkv, D) or v.shape[0] != Tk or H % Hkv or cu_k is None:
+    if k.shape != (Tk, Hkv, D) or v.shape[0] != Tk or H % Hkv:
         raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
-                         "[T, H, D] / [Tk, Hkv, D] / [Tk, Hkv, Dv] with H a multiple of Hkv (and cu_k with k_lens)")
-    _check_lengths(T, Tk, q_lens, k_lens, "prefill_attention")
+                         "[T, H, D] / [Tk, Hkv, D] / [Tk, Hkv, Dv] with H a multiple of Hkv")
+    cu_k, k_lens, chunks = _key_rows(T, Tk, cu, q_lens, cu_k, k_lens, "prefill_attention")
     flash = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= MAX_FLASH_HEAD_DIM
              and D % 8 == 0)
     if not flash:
@@ -132,15 +139,13 @@ def mla_prefill_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Ten
         raise ValueError(f"mla_prefill_attention: q {tuple(q.shape)}, k_nope {tuple(k_nope.shape)}, k_pe "
                          f"{tuple(k_pe.shape)}, v {tuple(v.shape)} do not fit [T, H, nope + rope] / [Tk, H, nope] / "
                          "[Tk, rope] / [Tk, H, Dv]")
-    cached = k_lens is not None and list(k_lens) != list(q_lens)
+    cu_k, k_lens, cached = _key_rows(T, Tk, cu, q_lens, cu_k, k_lens, "mla_prefill_attention")
     if not _mla_kernel_takes(q, k_nope, k_pe, v) or (q_lens and not cached and min(q_lens) >= MLA_CUDNN_PROMPT):
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)  # [Tk, H, nope + rope]
-        return prefill_attention(q, k, v, cu, q_lens, scale, *(() if cu_k is None else (cu_k, k_lens)))
-    k_lens, cu_k = (q_lens, cu) if k_lens is None else (k_lens, cu_k)
-    _check_lengths(T, Tk, q_lens, k_lens, "mla_prefill_attention")
-    if any(c is None or c.dtype != torch.int32 or c.device != q.device or c.shape != (len(q_lens) + 1,)
+        return prefill_attention(q, k, v, cu, q_lens, scale, cu_k, k_lens)
+    if any(c.dtype != torch.int32 or c.device != q.device or c.shape != (len(q_lens) + 1,)
            for c in (cu, cu_k)):
-        raise ValueError(f"mla_prefill_attention: cu and cu_k (with k_lens) must be int32 [{len(q_lens) + 1}] on "
+        raise ValueError(f"mla_prefill_attention: cu and cu_k must be int32 [{len(q_lens) + 1}] on "
                          f"{q.device}")
     return _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, len(q_lens), scale)
 
