@@ -7,7 +7,8 @@ loads a server that is already running). Workloads (``--workload``):
   completion (greedy, ``--max-tokens``, a held-out prompt) and the next when it ends. Columns: output tokens/s
   of the server, time to first token p50/p99, per-request tokens/s after the first token (median), requests.
 - ``shared-prefix``: requests one after another, each a ``--prefix-tokens`` system prompt shared by all and a
-  short question: time to first token p50 (compare ``--args '{"prefix_caching": false}'``), and where it goes:
+  question of about ``--own-tokens`` tokens (the cache's hit rate is prefix / (prefix + own)), 16 tokens out:
+  time to first token p50 (compare ``--args '{"prefix_caching": false}'``), and where it goes:
   client mean minus the replica's mean (its handler -> first token chunk) is the HTTP and Serve path, the
   replica's minus the engine's the handler's own work; ``GET /health`` p50 is that path with no body and no
   engine (compare Serve's ingress: ``RAY_SERVE_ENABLE_HA_PROXY=1``, see ``kdray serve --ingress``).
@@ -16,11 +17,13 @@ loads a server that is already running). Workloads (``--workload``):
 
 ``--model k2-shard`` serves one TP8 shard of Kimi K2 at real dimensions (``k2_step.py``'s config, ``--layers`` of
 them) with random weights made on the GPU (``load_format="dummy"``: no checkpoint on disk), plain decoding, with
-``ttft_engine.py``'s settings; it has no tokenizer, so ``shared-prefix`` (its only workload) sends completions of
-token ids: a random ``--prefix-tokens`` prefix shared by every request, then 32 ids of its own.
+``ttft_engine.py``'s settings; ``--model llama3-8b`` or ``codellama-34b`` serves that dense Llama-family model at its
+published dimensions the same way. These have no tokenizer, so ``shared-prefix`` (their only workload) sends
+completions of token ids: a random ``--prefix-tokens`` prefix shared by every request, then ``--own-tokens`` ids of
+its own.
 
     python benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --md serve.md
-    python benchmarks/serve_load.py --model k2-shard --workload shared-prefix
+    python benchmarks/serve_load.py --model k2-shard --workload shared-prefix --own-tokens 228   # a 90% hit rate
 """
 from __future__ import annotations
 
@@ -40,47 +43,85 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
 
 K2_SHARD = "k2-shard"  # --model: K2's TP8 shard with random weights, served from its config alone
+# --model: dense Llama-family models at their published dimensions (their config.json's values), random weights
+DENSE_CONFIGS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=131072,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "codellama-34b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=48,
+                          num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                          max_position_embeddings=16384),
+}
+ID_MODELS = (K2_SHARD, *DENSE_CONFIGS)  # served from a config alone, without a tokenizer: token-id prompts
+SHARED_PREFIX_TOKENS_OUT = 16  # output tokens of a shared-prefix request (its time to first token is what counts)
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help=f"a model name or path, or {K2_SHARD}")
+    ap.add_argument("--model", default="smollm2-135m", help=f"a model name or path, or one of {', '.join(ID_MODELS)}")
     ap.add_argument("--layers", type=int, default=61, help=f"{K2_SHARD}: decoder layers")
     ap.add_argument("--specs", nargs="+",
                     help="modes to deploy in turn: ar, chain, ddtree:<budget> (a number or auto); default: ar chain "
-                         f"ddtree:auto ({K2_SHARD}: ar, it has no drafter)")
+                         f"ddtree:auto ({', '.join(ID_MODELS)}: ar, they have no drafter)")
     ap.add_argument("--url", help="load this running server instead of deploying (one mode: the server's)")
     ap.add_argument("--args", default="{}", help="more Serve builder arguments, as JSON")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--seconds", type=float, default=20.0, help="per concurrency")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="chat and long-prompt: each stream's output tokens")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--workload", choices=("chat", "shared-prefix", "long-prompt"), default="chat")
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="shared-prefix: the system prompt's length")
+    ap.add_argument("--own-tokens", type=int, default=32,
+                    help="shared-prefix: each request's own tokens after the shared prompt (about, for text)")
     ap.add_argument("--long-tokens", type=int, default=6000, help="long-prompt: the arriving prompts' length")
     ap.add_argument("--long-every", type=float, default=2.0, help="long-prompt: seconds between arrivals")
     ap.add_argument("--label", default="", help="a note for the table's first column (what --args changed)")
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
-    if args.model == K2_SHARD and args.workload != "shared-prefix":
-        ap.error(f"--model {K2_SHARD} has no tokenizer: it runs --workload shared-prefix (token-id prompts) only")
-    args.specs = args.specs or (["ar"] if args.model == K2_SHARD else ["ar", "chain", "ddtree:auto"])
+    if args.model in ID_MODELS and args.workload != "shared-prefix":
+        ap.error(f"--model {args.model} has no tokenizer: it runs --workload shared-prefix (token-id prompts) only")
+    if args.prefix_tokens < 0 or args.own_tokens < 1:
+        ap.error(f"--prefix-tokens {args.prefix_tokens} must be >= 0 and --own-tokens {args.own_tokens} >= 1")
+    args.specs = args.specs or (["ar"] if args.model in ID_MODELS else ["ar", "chain", "ddtree:auto"])
     return args
 
 
-def k2_shard_settings(prefix_tokens: int) -> dict:
-    """Engine settings for the K2 shard (no drafter: plain decoding), with a context for ``prefix_tokens``-token
-    prompts and a few requests at once (room for the KV cache beside the ~65 GB of weights)."""
-    return {"spec": "ar", "max_num_seqs": 4, "max_model_len": prefix_tokens + 256}
+def id_model_settings(prompt_tokens: int) -> dict:
+    """Engine settings for the models served from a config (no drafter: plain decoding), with a context for
+    ``prompt_tokens``-token prompts and a few requests at once (room for the KV cache beside the K2 shard's ~65 GB
+    of weights)."""
+    return {"spec": "ar", "max_num_seqs": 4, "max_model_len": prompt_tokens + 256}
 
 
-def id_prompts(vocab: int, n: int, prefix_tokens: int) -> list[list[int]]:
-    """``n`` prompts of random ids (seeded): the same ``prefix_tokens`` first, then 32 of their own."""
+def write_id_model_config(name: str, path: Path, layers: int) -> Path:
+    """``name`` (one of ``ID_MODELS``) as a checkpoint directory with only its ``config.json``."""
+    if name == K2_SHARD:
+        from benchmarks.k2_step import write_shard_config
+
+        return write_shard_config(path, layers)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **DENSE_CONFIGS[name]}, indent=1))
+    return path
+
+
+def id_model_vocab(name: str, layers: int) -> int:
+    """The vocabulary of ``name`` (one of ``ID_MODELS``), for its prompts' ids."""
+    if name == K2_SHARD:
+        from benchmarks.k2_step import shard_config
+
+        return shard_config(layers).vocab_size
+    return DENSE_CONFIGS[name]["vocab_size"]
+
+
+def id_prompts(vocab: int, n: int, prefix_tokens: int, own_tokens: int = 32) -> list[list[int]]:
+    """``n`` prompts of random ids (seeded): the same ``prefix_tokens`` first, then ``own_tokens`` of their own."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(vocab, (prefix_tokens,), generator=g).tolist()
-    return [prefix + torch.randint(vocab, (32,), generator=g).tolist() for _ in range(n)]
+    return [prefix + torch.randint(vocab, (own_tokens,), generator=g).tolist() for _ in range(n)]
 
 
 def prompts(n: int = 64) -> list[str]:
@@ -174,20 +215,20 @@ def since(after: dict[str, float], before: dict[str, float], key: str) -> float:
 
 
 async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
-    """Requests one at a time, each the same long system prompt and a short question (for k2-shard, which has no
-    tokenizer: the same random token ids, then 32 of its own): TTFT after the first, at the client, in the replica
-    (its handler -> the first token's chunk) and in the engine (submission -> first token; split at the launch of
-    the request's prefill into queued and prefill), the last two from the server's metrics."""
-    if args.model == K2_SHARD:
-        from benchmarks.k2_step import shard_config
-
-        asks, system = id_prompts(shard_config(args.layers).vocab_size, 12, args.prefix_tokens), None
-    else:
-        asks, system = [t[:200] for t in texts[:12]], words(args.prefix_tokens)
+    """Requests one at a time, each the same long system prompt and a question of its own (for the models without a
+    tokenizer: the same random token ids, then ``--own-tokens`` of its own): TTFT after the first, at the client, in
+    the replica (its handler -> the first token's chunk) and in the engine (submission -> first token; split at the
+    launch of the request's prefill into queued and prefill), the last two from the server's metrics."""
+    if args.model in ID_MODELS:
+        asks = id_prompts(id_model_vocab(args.model, args.layers), 12, args.prefix_tokens, args.own_tokens)
+        system = None
+    else:  # held-out prompts cut at ~4 characters a token
+        asks, system = [t[:4 * args.own_tokens] for t in texts[:12]], words(args.prefix_tokens)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        runs = [await one_request(session, url, model, asks[0], 16, system)]  # fills the cache
+        runs = [await one_request(session, url, model, asks[0], SHARED_PREFIX_TOKENS_OUT, system)]  # fills the cache
         before = await scrape(session, url)
-        runs += [await one_request(session, url, model, asks[i], 16, system) for i in range(1, 12)]
+        runs += [await one_request(session, url, model, asks[i], SHARED_PREFIX_TOKENS_OUT, system)
+                 for i in range(1, 12)]
         after = await scrape(session, url)
         health = [await round_trip(session, f"{url}/health") for _ in range(50)]
     ttft = [r["ttft"] for r in runs[1:]]
@@ -239,14 +280,13 @@ async def long_prompts(url: str, model: str, args, texts: list[str], streams: in
 
 
 def model_args(args, tmp: Path) -> dict:
-    """The Serve builder arguments that choose the model: ``--model`` as given, or for k2-shard its config written
-    to ``tmp`` and served under that name with random weights (``load_format="dummy"``) and its engine settings."""
-    if args.model != K2_SHARD:
+    """The Serve builder arguments that choose the model: ``--model`` as given, or for the ``ID_MODELS`` its config
+    written to ``tmp`` and served under its name with random weights (``load_format="dummy"``) and their engine
+    settings."""
+    if args.model not in ID_MODELS:
         return {"model": args.model}
-    from benchmarks.k2_step import write_shard_config
-
-    return {"model": str(write_shard_config(tmp, args.layers)), "served_model_name": K2_SHARD,
-            "load_format": "dummy", **k2_shard_settings(args.prefix_tokens)}
+    return {"model": str(write_id_model_config(args.model, tmp, args.layers)), "served_model_name": args.model,
+            "load_format": "dummy", **id_model_settings(args.prefix_tokens + args.own_tokens)}
 
 
 def deploy(spec: str, args, model: dict) -> str:
@@ -278,7 +318,7 @@ def deploy(spec: str, args, model: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:  # k2-shard's config, kept while it is served
+    with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:  # an ID_MODELS config, kept while served
         return benchmark(args, model_args(args, Path(tmp)))
 
 
@@ -291,7 +331,7 @@ def benchmark(args, model: dict) -> int:
         url = args.url or deploy(spec, args, model)
         if args.workload == "shared-prefix":
             r = asyncio.run(shared_prefix(url, args.model, args, texts))
-            rows.append([label(spec), str(args.prefix_tokens), f"{1e3 * r['ttft_first']:.0f}",
+            rows.append([label(spec), str(args.prefix_tokens), str(args.own_tokens), f"{1e3 * r['ttft_first']:.0f}",
                          f"{1e3 * r['ttft_p50']:.0f}", f"{1e3 * r['ttft_mean']:.1f}",
                          f"{1e3 * r['server_ttft_mean']:.1f}", f"{1e3 * r['engine_ttft_mean']:.1f}",
                          f"{1e3 * r['queue_mean']:.1f}", f"{1e3 * r['prefill_mean']:.1f}",
@@ -312,16 +352,17 @@ def benchmark(args, model: dict) -> int:
             print(" | ".join(rows[-1]), file=sys.stderr)
     header = {"chat": ["mode", "concurrency", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "per-request tok/s",
                        "requests"],
-              "shared-prefix": ["mode", "shared prefix tokens", "first TTFT ms", "TTFT p50 ms (later requests)",
-                                "TTFT mean ms", "in the replica: TTFT mean ms", "in the engine: TTFT mean ms",
-                                "of which queued ms", "of which prefill ms",
+              "shared-prefix": ["mode", "shared prefix tokens", "own tokens", "first TTFT ms",
+                                "TTFT p50 ms (later requests)", "TTFT mean ms", "in the replica: TTFT mean ms",
+                                "in the engine: TTFT mean ms", "of which queued ms", "of which prefill ms",
                                 "HTTP + Serve: client - replica ms", "handler: replica - engine ms",
                                 "GET /health p50 ms"],
               "long-prompt": ["mode", "streams", "arriving prompt tokens", "stream gap p50 ms",
                               "stream gap p99 ms", "p99 / p50", "engine steps over 100 ms"]}[args.workload]
-    kind = "streaming token-id completions" if args.model == K2_SHARD else "streaming chat"
+    kind = "streaming token-id completions" if args.model in ID_MODELS else "streaming chat"
+    out_tokens = SHARED_PREFIX_TOKENS_OUT if args.workload == "shared-prefix" else args.max_tokens
     title = (f"# {datetime.date.today()} serve_load {args.workload}: {args.model}, {kind}, greedy, "
-             f"{args.max_tokens} tokens")
+             f"{out_tokens} tokens")
     print(title)
     table = print_table(rows, header)
     if args.md:

@@ -176,6 +176,30 @@ def test_serve_load_id_prompts_share_their_prefix_and_differ_after_it():
     assert len({tuple(p[100:]) for p in prompts}) == 5
     assert all(0 <= t < 500 for p in prompts for t in p) and len(set(prompts[0])) > 50
     assert id_prompts(500, 5, 100) == prompts  # seeded
+    longer = id_prompts(500, 5, 100, own_tokens=11)  # a 90% hit rate
+    assert [len(p) for p in longer] == [111] * 5 and longer[0][:100] == prompts[0][:100]
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "codellama-34b"])
+def test_serve_load_dense_models_are_their_published_configs_with_random_weights(tmp_path, name):
+    from benchmarks.serve_load import DENSE_CONFIGS, id_model_vocab, model_args, parse_args
+
+    args = parse_args(["--model", name, "--workload", "shared-prefix", "--own-tokens", "228"])
+    assert args.specs == ["ar"]
+    builder = model_args(args, tmp_path)
+    assert builder["load_format"] == "dummy" and builder["served_model_name"] == name
+    assert builder["max_model_len"] == 2048 + 228 + 256
+    cfg = model_config(builder["model"])
+    assert cfg.architecture == "llama" and cfg.vocab_size == id_model_vocab(name, 61)
+    published = DENSE_CONFIGS[name]
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads) == tuple(published[k] for k in (
+                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"))
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in published)
+    with pytest.raises(SystemExit):  # no tokenizer: the chat workload is refused up front
+        parse_args(["--model", name])
+    with pytest.raises(SystemExit):
+        parse_args(["--model", name, "--workload", "shared-prefix", "--own-tokens", "0"])
 
 
 def test_serve_load_sends_token_ids_as_a_completion_and_text_as_a_chat():
