@@ -12,15 +12,17 @@ loads a server that is already running). Workloads (``--workload``):
   client mean minus the replica's mean (its handler -> first token chunk) is the HTTP and Serve path, the
   replica's minus the engine's the handler's own work; ``GET /health`` p50 is that path with no body and no
   engine (compare Serve's ingress: ``RAY_SERVE_ENABLE_HA_PROXY=1``, see ``kdray serve --ingress``).
-- ``long-prompt``: C streams decode while a ``--long-tokens`` prompt arrives every ``--long-every`` seconds:
-  the streams' gaps between chunks, median and p99 (compare ``--args '{"prefill_chunk": 100000}'``).
+- ``long-prompt``: C closed-loop streams decode while a ``--long-tokens`` prompt arrives ``--long-every`` seconds
+  after the last one's first token, three times: the streams' gaps between chunks until the last arrival is in,
+  median and p99 (compare ``--args '{"prefill_chunk": 100000}'``).
 
 ``--model k2-shard`` serves one TP8 shard of Kimi K2 at real dimensions (``k2_step.py``'s config, ``--layers`` of
 them) with random weights made on the GPU (``load_format="dummy"``: no checkpoint on disk), plain decoding, with
 ``ttft_engine.py``'s settings; ``--model llama3-8b`` or ``codellama-34b`` serves that dense Llama-family model at its
-published dimensions the same way. These have no tokenizer, so ``shared-prefix`` (their only workload) sends
-completions of token ids: a random ``--prefix-tokens`` prefix shared by every request, then ``--own-tokens`` ids of
-its own.
+published dimensions the same way. These have no tokenizer, so their workloads (``shared-prefix`` and
+``long-prompt``) send completions of token ids: in ``shared-prefix`` a random ``--prefix-tokens`` prefix shared by
+every request, then ``--own-tokens`` ids of its own; in ``long-prompt`` 64 random ids a stream, ``--long-tokens``
+an arriving prompt.
 
     python benchmarks/serve_load.py --specs ar ddtree:64 ddtree:auto --concurrency 1 4 16 64 --md serve.md
     python benchmarks/serve_load.py --model k2-shard --workload shared-prefix --own-tokens 228   # a 90% hit rate
@@ -80,19 +82,19 @@ def parse_args(argv):
     ap.add_argument("--label", default="", help="a note for the table's first column (what --args changed)")
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
-    if args.model in ID_MODELS and args.workload != "shared-prefix":
-        ap.error(f"--model {args.model} has no tokenizer: it runs --workload shared-prefix (token-id prompts) only")
+    if args.model in ID_MODELS and args.workload == "chat":
+        ap.error(f"--model {args.model} has no tokenizer: it runs the token-id workloads (shared-prefix, long-prompt)")
     if args.prefix_tokens < 0 or args.own_tokens < 1:
         ap.error(f"--prefix-tokens {args.prefix_tokens} must be >= 0 and --own-tokens {args.own_tokens} >= 1")
     args.specs = args.specs or (["ar"] if args.model in ID_MODELS else ["ar", "chain", "ddtree:auto"])
     return args
 
 
-def id_model_settings(prompt_tokens: int) -> dict:
+def id_model_settings(prompt_tokens: int, seqs: int = 4) -> dict:
     """Engine settings for the models served from a config (no drafter: plain decoding), with a context for
-    ``prompt_tokens``-token prompts and a few requests at once (room for the KV cache beside the K2 shard's ~65 GB
-    of weights)."""
-    return {"spec": "ar", "max_num_seqs": 4, "max_model_len": prompt_tokens + 256}
+    ``prompt_tokens``-token prompts and ``seqs`` requests at once (a few leave room for the KV cache beside the K2
+    shard's ~65 GB of weights)."""
+    return {"spec": "ar", "max_num_seqs": seqs, "max_model_len": prompt_tokens + 256}
 
 
 def write_id_model_config(name: str, path: Path, layers: int) -> Path:
@@ -115,11 +117,12 @@ def id_model_vocab(name: str, layers: int) -> int:
     return DENSE_CONFIGS[name]["vocab_size"]
 
 
-def id_prompts(vocab: int, n: int, prefix_tokens: int, own_tokens: int = 32) -> list[list[int]]:
-    """``n`` prompts of random ids (seeded): the same ``prefix_tokens`` first, then ``own_tokens`` of their own."""
+def id_prompts(vocab: int, n: int, prefix_tokens: int, own_tokens: int = 32, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of random ids (from ``seed``): the same ``prefix_tokens`` first, then ``own_tokens`` of their
+    own."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(vocab, (prefix_tokens,), generator=g).tolist()
     return [prefix + torch.randint(vocab, (own_tokens,), generator=g).tolist() for _ in range(n)]
 
@@ -252,20 +255,29 @@ async def round_trip(session: aiohttp.ClientSession, url: str) -> float:
 
 
 async def long_prompts(url: str, model: str, args, texts: list[str], streams: int) -> dict:
-    """``streams`` decoding chats while long prompts arrive: the streams' gaps between chunks."""
-    long_text = words(args.long_tokens)
+    """``streams`` closed-loop decoding requests while three long prompts arrive one after another: the streams'
+    gaps between chunks, until the last long prompt's first token."""
+    if args.model in ID_MODELS:
+        vocab = id_model_vocab(args.model, args.layers)
+        asks, longs = id_prompts(vocab, streams, 0, 64), id_prompts(vocab, 3, 0, args.long_tokens, seed=1)
+    else:
+        long_text = words(args.long_tokens)
+        asks, longs = texts[:streams], [f"{i}: {long_text}" for i in range(3)]
     gaps: list[float] = []
+    arrived = asyncio.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        await one_request(session, url, model, texts[0], 8)
+        await one_request(session, url, model, asks[0], 8)
 
-        async def stream(k):
-            gaps.extend((await one_request(session, url, model, texts[k], args.max_tokens))["gaps"])
+        async def stream(k):  # every stream keeps decoding until the last arrival has its first token
+            while not arrived.is_set():
+                gaps.extend((await one_request(session, url, model, asks[k], args.max_tokens))["gaps"])
 
         async def arrivals():
-            for i in range(3):
+            for prompt in longs:
                 await asyncio.sleep(args.long_every)
-                await one_request(session, url, model, f"{i}: {long_text}", 1)
+                await one_request(session, url, model, prompt, 1)
+            arrived.set()
 
         before = await scrape(session, url)
         await asyncio.gather(arrivals(), *(stream(k) for k in range(streams)))
@@ -274,7 +286,8 @@ async def long_prompts(url: str, model: str, args, texts: list[str], streams: in
     steps = since(after, before, 'kdray_step_seconds_count{stage="total"}')
     within = {float(k.split('le="')[1].split('"')[0]): since(after, before, k) for k in after
               if k.startswith("kdray_step_seconds_bucket") and 'stage="total"' in k}  # upper bound -> steps
-    return {"gap_p50": statistics.median(gaps), "gap_p99": gaps[int(0.99 * (len(gaps) - 1))], "steps": steps,
+    return {"gap_p50": statistics.median(gaps), "gap_p99": gaps[int(0.99 * (len(gaps) - 1))], "gap_max": gaps[-1],
+            "steps": steps,
             "slow_steps": steps - within.get(0.1, 0.0),
             "slowest_within": min(b for b, n in within.items() if n >= steps)}
 
@@ -285,8 +298,10 @@ def model_args(args, tmp: Path) -> dict:
     settings."""
     if args.model not in ID_MODELS:
         return {"model": args.model}
+    settings = (id_model_settings(args.prefix_tokens + args.own_tokens) if args.workload == "shared-prefix" else
+                id_model_settings(args.long_tokens, seqs=args.concurrency[0] + 2))  # the streams and an arrival
     return {"model": str(write_id_model_config(args.model, tmp, args.layers)), "served_model_name": args.model,
-            "load_format": "dummy", **id_model_settings(args.prefix_tokens + args.own_tokens)}
+            "load_format": "dummy", **settings}
 
 
 def deploy(spec: str, args, model: dict) -> str:
@@ -343,6 +358,7 @@ def benchmark(args, model: dict) -> int:
             r = asyncio.run(long_prompts(url, args.model, args, texts, args.concurrency[0]))
             rows.append([label(spec), str(args.concurrency[0]), str(args.long_tokens), f"{1e3 * r['gap_p50']:.1f}",
                          f"{1e3 * r['gap_p99']:.1f}", f"{r['gap_p99'] / r['gap_p50']:.1f}x",
+                         f"{1e3 * r['gap_max']:.0f}",
                          f"{r['slow_steps']:.0f} of {r['steps']:.0f} (slowest <= {1e3 * r['slowest_within']:.0f} ms)"])
             continue
         for c in args.concurrency:
@@ -358,7 +374,8 @@ def benchmark(args, model: dict) -> int:
                                 "HTTP + Serve: client - replica ms", "handler: replica - engine ms",
                                 "GET /health p50 ms"],
               "long-prompt": ["mode", "streams", "arriving prompt tokens", "stream gap p50 ms",
-                              "stream gap p99 ms", "p99 / p50", "engine steps over 100 ms"]}[args.workload]
+                              "stream gap p99 ms", "p99 / p50", "stream gap max ms",
+                              "engine steps over 100 ms"]}[args.workload]
     kind = "streaming token-id completions" if args.model in ID_MODELS else "streaming chat"
     out_tokens = SHARED_PREFIX_TOKENS_OUT if args.workload == "shared-prefix" else args.max_tokens
     title = (f"# {datetime.date.today()} serve_load {args.workload}: {args.model}, {kind}, greedy, "

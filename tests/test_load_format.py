@@ -178,6 +178,7 @@ def test_serve_load_id_prompts_share_their_prefix_and_differ_after_it():
     assert id_prompts(500, 5, 100) == prompts  # seeded
     longer = id_prompts(500, 5, 100, own_tokens=11)  # a 90% hit rate
     assert [len(p) for p in longer] == [111] * 5 and longer[0][:100] == prompts[0][:100]
+    assert id_prompts(500, 5, 100, seed=1)[0][:100] != prompts[0][:100]
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "codellama-34b"])
@@ -200,6 +201,10 @@ def test_serve_load_dense_models_are_their_published_configs_with_random_weights
         parse_args(["--model", name])
     with pytest.raises(SystemExit):
         parse_args(["--model", name, "--workload", "shared-prefix", "--own-tokens", "0"])
+    # long prompts as token ids: a context for them, room for the streams and an arrival
+    args = parse_args(["--model", name, "--workload", "long-prompt", "--long-tokens", "16384", "--concurrency", "8"])
+    builder = model_args(args, tmp_path / "long")
+    assert (builder["max_model_len"], builder["max_num_seqs"]) == (16384 + 256, 10)
 
 
 def test_serve_load_sends_token_ids_as_a_completion_and_text_as_a_chat():
@@ -215,3 +220,33 @@ def test_serve_load_sends_token_ids_as_a_completion_and_text_as_a_chat():
     assert parse_args([]).specs == ["ar", "chain", "ddtree:auto"]
     with pytest.raises(SystemExit):  # no tokenizer: the chat workload is refused up front
         parse_args(["--model", "k2-shard"])
+
+
+def test_serve_load_long_prompt_streams_decode_until_the_last_prompt_is_in(monkeypatch):
+    """The long-prompt workload's streams keep sending requests until the last long prompt has its first token, so
+    their gaps span the arrivals (single requests of a fast model used to end before the first prompt came)."""
+    import asyncio
+
+    import benchmarks.serve_load as sl
+
+    log = []  # (time, kind) of each request's end
+
+    async def fake_request(session, url, model, prompt, max_tokens, system=None):
+        await asyncio.sleep(0.004 if len(prompt) < 1000 else 0.02)
+        log.append((asyncio.get_running_loop().time(), "long" if len(prompt) >= 1000 else "stream"))
+        return {"gaps": [0.001] * max_tokens}
+
+    async def fake_scrape(session, url):
+        return {'kdray_step_seconds_count{stage="total"}': 10.0,
+                'kdray_step_seconds_bucket{le="0.1",stage="total"}': 10.0}
+
+    monkeypatch.setattr(sl, "one_request", fake_request)
+    monkeypatch.setattr(sl, "scrape", fake_scrape)
+    args = sl.parse_args(["--model", "llama3-8b", "--workload", "long-prompt", "--long-tokens", "2000",
+                          "--long-every", "0.03", "--concurrency", "2", "--max-tokens", "3"])
+    r = asyncio.run(sl.long_prompts("http://x", "llama3-8b", args, [], 2))
+    last_long = max(t for t, kind in log if kind == "long")
+    assert [kind for _, kind in log].count("long") == 3
+    assert sum(kind == "stream" for t, kind in log if t < last_long) > 20  # decoding while the prompts arrive
+    assert sum(kind == "stream" for t, kind in log if t > last_long) <= 2  # and each stream stops after the last
+    assert r["gap_p50"] == 0.001 and r["gap_max"] == 0.001

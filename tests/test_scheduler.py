@@ -1,11 +1,14 @@
 """The scheduler for real traffic on a real (tiny) model, fp32: identical outputs with the prefix cache on and
 off, under forced preemption, and with every chunk size of chunked prefill down to one page, for AR, chain and
 DDTree, greedy and seeded sampling, and under the fields that change the distribution."""
+import json
+
 import pytest
 import torch
 
 import kdray.model.k2 as k2
 from kdray import LLM, SamplingParams
+from kdray.model.presets import K2_TINY
 
 GEN = torch.Generator().manual_seed(5)
 SYSTEM = torch.randint(2, 1000, (37,), generator=GEN).tolist()  # a shared prefix: 2 full pages of 16 and more
@@ -74,12 +77,15 @@ def test_chunks_in_the_plain_form_change_nothing(reference, mode, monkeypatch):
     assert any(plain)  # chunks after cached tokens took the plain form
 
 
-def test_long_context_burst_is_admitted_by_use_not_by_reservation():
-    """64 chat requests without max_tokens at a 2048 context: each would reserve the whole context before; now
-    the pool (a sixteenth of 64 full contexts) holds them all at once, since each holds only what it uses."""
-    pages = 64 * 2048 // 16 // 16
-    llm = LLM(model="k2-tiny", num_pages=pages, max_num_seqs=64)
+def test_long_context_burst_is_admitted_by_use_not_by_reservation(tmp_path):
+    """64 requests asking for the whole rest of a 32k context, as a chat without max_tokens does (k2-tiny's
+    architecture, its context raised, random weights): each would reserve its whole context before, so a pool of a sixteenth of 64 full contexts held 4; now
+    it holds all 64 at once, since each holds only what it uses."""
+    (tmp_path / "config.json").write_text(json.dumps({**K2_TINY, "max_position_embeddings": 32768}))
+    pages = 64 * 32768 // 16 // 16
+    llm = LLM(model=str(tmp_path), load_format="dummy", num_pages=pages, max_num_seqs=64)
+    assert llm.engine.max_model_len == 32768
     for i in range(64):
-        llm.engine.add_request(f"r{i}", PROMPTS[i % 4], SamplingParams(max_tokens=2048 - len(PROMPTS[i % 4]) - 1))
+        llm.engine.add_request(f"r{i}", PROMPTS[i % 4], SamplingParams(max_tokens=32768 - len(PROMPTS[i % 4]) - 1))
     llm.engine.step()
     assert len(llm.engine.scheduler.running) == 64
