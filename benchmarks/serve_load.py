@@ -14,7 +14,7 @@ loads a server that is already running). Workloads (``--workload``):
   engine (compare Serve's ingress: ``RAY_SERVE_ENABLE_HA_PROXY=1``, see ``kdray serve --ingress``).
 - ``long-prompt``: C closed-loop streams decode while a ``--long-tokens`` prompt arrives ``--long-every`` seconds
   after the last one's first token, three times: the streams' gaps between chunks until the last arrival is in,
-  median and p99 (compare ``--args '{"prefill_chunk": 100000}'``).
+  median, p99 and largest (compare ``--args '{"prefill_chunk": 100000}'``).
 
 ``--model k2-shard`` serves one TP8 shard of Kimi K2 at real dimensions (``k2_step.py``'s config, ``--layers`` of
 them) with random weights made on the GPU (``load_format="dummy"``: no checkpoint on disk), plain decoding, with
@@ -78,7 +78,8 @@ def parse_args(argv):
     ap.add_argument("--own-tokens", type=int, default=32,
                     help="shared-prefix: each request's own tokens after the shared prompt (about, for text)")
     ap.add_argument("--long-tokens", type=int, default=6000, help="long-prompt: the arriving prompts' length")
-    ap.add_argument("--long-every", type=float, default=2.0, help="long-prompt: seconds between arrivals")
+    ap.add_argument("--long-every", type=float, default=2.0,
+                    help="long-prompt: seconds from one arrival's first token to the next arrival")
     ap.add_argument("--label", default="", help="a note for the table's first column (what --args changed)")
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
