@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import statistics
 import sys
 import time
@@ -65,13 +64,6 @@ def shard_hf_config(layers: int) -> dict:
 def shard_config(layers: int) -> K2Config:
     """The shard's parsed config."""
     return K2Config.from_hf(shard_hf_config(layers))
-
-
-def write_shard_config(path: Path, layers: int) -> Path:
-    """The shard as a checkpoint directory with only its ``config.json`` (served with ``load_format="dummy"``)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(shard_hf_config(layers), indent=1))
-    return path
 
 
 def random_shard(cfg: K2Config) -> K2Model:

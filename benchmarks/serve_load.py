@@ -57,6 +57,7 @@ DENSE_CONFIGS = {
                           max_position_embeddings=16384),
 }
 ID_MODELS = (K2_SHARD, *DENSE_CONFIGS)  # served from a config alone, without a tokenizer: token-id prompts
+OWN_TOKENS = 32  # shared-prefix: each request's own tokens after the shared prompt, by default
 SHARED_PREFIX_TOKENS_OUT = 16  # output tokens of a shared-prefix request (its time to first token is what counts)
 
 
@@ -75,7 +76,7 @@ def parse_args(argv):
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--workload", choices=("chat", "shared-prefix", "long-prompt"), default="chat")
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="shared-prefix: the system prompt's length")
-    ap.add_argument("--own-tokens", type=int, default=32,
+    ap.add_argument("--own-tokens", type=int, default=OWN_TOKENS,
                     help="shared-prefix: each request's own tokens after the shared prompt (about, for text)")
     ap.add_argument("--long-tokens", type=int, default=6000, help="long-prompt: the arriving prompts' length")
     ap.add_argument("--long-every", type=float, default=2.0,
@@ -98,27 +99,25 @@ def id_model_settings(prompt_tokens: int, seqs: int = 4) -> dict:
     return {"spec": "ar", "max_num_seqs": seqs, "max_model_len": prompt_tokens + 256}
 
 
-def write_id_model_config(name: str, path: Path, layers: int) -> Path:
-    """``name`` (one of ``ID_MODELS``) as a checkpoint directory with only its ``config.json``."""
+def id_model_config(name: str, layers: int) -> dict:
+    """The ``config.json`` of ``name`` (one of ``ID_MODELS``): the K2 shard's (``layers`` of them) or the dense
+    model's published one."""
     if name == K2_SHARD:
-        from benchmarks.k2_step import write_shard_config
+        from benchmarks.k2_step import shard_hf_config
 
-        return write_shard_config(path, layers)
+        return shard_hf_config(layers)
+    return {"model_type": "llama", **DENSE_CONFIGS[name]}
+
+
+def write_id_model_config(name: str, path: Path, layers: int) -> Path:
+    """``name`` (one of ``ID_MODELS``) as a checkpoint directory with only its ``config.json`` (served with
+    ``load_format="dummy"``)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", **DENSE_CONFIGS[name]}, indent=1))
+    (path / "config.json").write_text(json.dumps(id_model_config(name, layers), indent=1))
     return path
 
 
-def id_model_vocab(name: str, layers: int) -> int:
-    """The vocabulary of ``name`` (one of ``ID_MODELS``), for its prompts' ids."""
-    if name == K2_SHARD:
-        from benchmarks.k2_step import shard_config
-
-        return shard_config(layers).vocab_size
-    return DENSE_CONFIGS[name]["vocab_size"]
-
-
-def id_prompts(vocab: int, n: int, prefix_tokens: int, own_tokens: int = 32, seed: int = 0) -> list[list[int]]:
+def id_prompts(vocab: int, n: int, prefix_tokens: int, own_tokens: int = OWN_TOKENS, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of random ids (from ``seed``): the same ``prefix_tokens`` first, then ``own_tokens`` of their
     own."""
     import torch
@@ -224,7 +223,8 @@ async def shared_prefix(url: str, model: str, args, texts: list[str]) -> dict:
     the replica (its handler -> the first token's chunk) and in the engine (submission -> first token; split at the
     launch of the request's prefill into queued and prefill), the last two from the server's metrics."""
     if args.model in ID_MODELS:
-        asks = id_prompts(id_model_vocab(args.model, args.layers), 12, args.prefix_tokens, args.own_tokens)
+        vocab = id_model_config(args.model, args.layers)["vocab_size"]
+        asks = id_prompts(vocab, 12, args.prefix_tokens, args.own_tokens)
         system = None
     else:  # held-out prompts cut at ~4 characters a token
         asks, system = [t[:4 * args.own_tokens] for t in texts[:12]], words(args.prefix_tokens)
@@ -259,7 +259,7 @@ async def long_prompts(url: str, model: str, args, texts: list[str], streams: in
     """``streams`` closed-loop decoding requests while three long prompts arrive one after another: the streams'
     gaps between chunks, until the last long prompt's first token."""
     if args.model in ID_MODELS:
-        vocab = id_model_vocab(args.model, args.layers)
+        vocab = id_model_config(args.model, args.layers)["vocab_size"]
         asks, longs = id_prompts(vocab, streams, 0, 64), id_prompts(vocab, 3, 0, args.long_tokens, seed=1)
     else:
         long_text = words(args.long_tokens)

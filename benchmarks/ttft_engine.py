@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.serve_load import K2_SHARD, id_model_settings, id_prompts, words  # noqa: E402
+from benchmarks.serve_load import K2_SHARD, OWN_TOKENS, id_model_settings, id_prompts, words  # noqa: E402
 from kdray import LLM, SamplingParams  # noqa: E402
 from kdray.model.loader import LoadedTarget  # noqa: E402
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
             llm = LLM(model=args.model, prefix_caching=caching)
             prompts = chat_prompts(llm.tokenizer, args.requests + 2, args.prefix_tokens)
         else:  # the ~65 GB shard is built once; each engine leaves room for a context of the prompts' size
-            llm = LLM(model=target, prefix_caching=caching, **id_model_settings(args.prefix_tokens + 32))
+            llm = LLM(model=target, prefix_caching=caching, **id_model_settings(args.prefix_tokens + OWN_TOKENS))
             prompts = id_prompts(target.config.vocab_size, args.requests + 2, args.prefix_tokens)
         first, _ = ttft(llm.engine, prompts[0])
         runs = [ttft(llm.engine, p) for p in prompts[1:args.requests + 1]]

@@ -159,9 +159,10 @@ def test_a_config_only_directory_without_dummy_says_how_to_run_it(tmp_path):
 
 
 def test_k2_shard_config_directory_holds_the_shards_config(tmp_path):
-    from benchmarks.k2_step import shard_config, write_shard_config
+    from benchmarks.k2_step import shard_config
+    from benchmarks.serve_load import write_id_model_config
 
-    path = write_shard_config(tmp_path / "shard", layers=3)
+    path = write_id_model_config("k2-shard", tmp_path / "shard", layers=3)
     assert [p.name for p in path.iterdir()] == ["config.json"]
     assert model_config(str(path)) == shard_config(3)
     assert shard_config(3).num_hidden_layers == 3 and shard_config(3).quantization.group_size == 32
@@ -183,7 +184,7 @@ def test_serve_load_id_prompts_share_their_prefix_and_differ_after_it():
 
 @pytest.mark.parametrize("name", ["llama3-8b", "codellama-34b"])
 def test_serve_load_dense_models_are_their_published_configs_with_random_weights(tmp_path, name):
-    from benchmarks.serve_load import DENSE_CONFIGS, id_model_vocab, model_args, parse_args
+    from benchmarks.serve_load import DENSE_CONFIGS, model_args, parse_args
 
     args = parse_args(["--model", name, "--workload", "shared-prefix", "--own-tokens", "228"])
     assert args.specs == ["ar"]
@@ -191,7 +192,7 @@ def test_serve_load_dense_models_are_their_published_configs_with_random_weights
     assert builder["load_format"] == "dummy" and builder["served_model_name"] == name
     assert builder["max_model_len"] == 2048 + 228 + 256
     cfg = model_config(builder["model"])
-    assert cfg.architecture == "llama" and cfg.vocab_size == id_model_vocab(name, 61)
+    assert cfg.architecture == "llama" and cfg.vocab_size == DENSE_CONFIGS[name]["vocab_size"]
     published = DENSE_CONFIGS[name]
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
             cfg.num_key_value_heads) == tuple(published[k] for k in (

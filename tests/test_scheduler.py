@@ -79,8 +79,8 @@ def test_chunks_in_the_plain_form_change_nothing(reference, mode, monkeypatch):
 
 def test_long_context_burst_is_admitted_by_use_not_by_reservation(tmp_path):
     """64 requests asking for the whole rest of a 32k context, as a chat without max_tokens does (k2-tiny's
-    architecture, its context raised, random weights): each would reserve its whole context before, so a pool of a sixteenth of 64 full contexts held 4; now
-    it holds all 64 at once, since each holds only what it uses."""
+    architecture, its context raised, random weights): each would reserve its whole context before, so a pool of a
+    sixteenth of 64 full contexts held 4; now it holds all 64 at once, since each holds only what it uses."""
     (tmp_path / "config.json").write_text(json.dumps({**K2_TINY, "max_position_embeddings": 32768}))
     pages = 64 * 32768 // 16 // 16
     llm = LLM(model=str(tmp_path), load_format="dummy", num_pages=pages, max_num_seqs=64)
