@@ -146,13 +146,13 @@ def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, 
 
     if clock:
         clock.install()
-    prefill = runner.prefill
+    launch = runner.launch
 
-    def counted_prefill(batch):
-        prefills[0] += 1
-        return prefill(batch)
+    def counted_launch(prefill, step):  # a step with prompt chunks, in their own pass or riding in the step's
+        prefills[0] += prefill is not None
+        return launch(prefill, step)
 
-    engine.step, runner.prefill = timed_step, counted_prefill
+    engine.step, runner.launch = timed_step, counted_launch
     try:
         sync()
         t = time.perf_counter()
@@ -162,7 +162,7 @@ def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, 
     finally:
         if clock:
             clock.remove()
-        del engine.step, runner.prefill
+        del engine.step, runner.launch
     assert [len(o.outputs[0].token_ids) for o in outs] == lengths
     decode = [(w, s) for w, s, counted in steps if counted][1:]  # the first applies the first prefill
     n, wall, stages = len(decode), sum(w for w, _ in decode), defaultdict(float)

@@ -33,16 +33,17 @@ class FailOnce:
 
 
 class FlakyRunner:
-    """The engine's runner, whose first ``failures`` prefills raise a plain error (a bug, a bad tensor)."""
+    """The engine's runner, whose first ``failures`` launches with prompt chunks raise a plain error (a bug, a bad
+    tensor)."""
 
     def __init__(self, runner, failures: int):
         self.runner, self.failures = runner, failures
 
-    def prefill(self, batch):
-        if self.failures:
+    def launch(self, prefill, step):
+        if prefill is not None and self.failures:
             self.failures -= 1
             raise ValueError("Overflow when unpacking long long")
-        return self.runner.prefill(batch)
+        return self.runner.launch(prefill, step)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)

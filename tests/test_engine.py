@@ -30,6 +30,9 @@ class FakeRunner:
         self.prefills, self.steps = [], []
         self.cached: dict[int, int] = {}  # slot -> cached length, as the device keeps it
 
+    def launch(self, prefill, step):
+        return (self.prefill(prefill) if prefill else None), (self.step(step) if step else None)
+
     def prefill(self, batch):
         self.prefills.append(batch)
         first = []

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 import kdray.kernels.tree_verify_attention as tva
 from kdray.kernels.mla_rope_cache import mla_rope_cache
-from kdray.kernels.tree_verify_attention import (_combine_cols, _mma_smem_bytes, _num_splits, _tree_attention_cuda,
-                                                 gqa_tree_attention, mla_tree_attention, tree_attention_reference)
+from kdray.kernels.tree_verify_attention import (_combine_cols, _grid_splits, _mma_smem_bytes, _num_splits,
+                                                 _tree_attention_cuda, gqa_tree_attention, mla_tree_attention,
+                                                 tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
 
@@ -149,6 +150,17 @@ def test_launch_geometry():
     assert _combine_cols(3, 64, 132) == 32
 
 
+def test_a_ragged_batch_gets_the_splits_of_its_longest_sequence():
+    """Llama-3.1-8B on the H200 (GQA 32/8 heads, 2 CTAs per SM): 8 decoding sequences with a 128-token prompt chunk
+    riding after them, counted as 17 equal tiles x 8 heads, got one split; the chunk alone has 8 tiles x 8 heads, so
+    4. A batch of equal sequences keeps its count."""
+    assert _grid_splits(136, 9, None, 4, 8, 257, 264) == 1
+    assert _grid_splits(136, 9, 128, 4, 8, 257, 264) == 4
+    assert _grid_splits(136, 9, 128, 4, 8, 2, 264) == 2  # still one split per key tile at most
+    for T, B, longest in [(8 * 65, 8, 65), (32, 32, 1), (256, 1, 256)]:
+        assert _grid_splits(T, B, longest, 8, 1, 65, 132) == _grid_splits(T, B, None, 8, 1, 65, 132)
+
+
 # --- GPU: the kernels against the reference ------------------------------------------------------------------
 
 MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
@@ -164,6 +176,7 @@ MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
     "decode-heads64": ([1, 1], [4095, 200], 64, 64),  # full 64-row tiles at one query
     "tree9": ([9], [2001], 8, 16),  # a 64-row tile and an 8-row tile: different splits per tile
     "waves": ([65] * 18, [300 + 37 * i for i in range(18)], 8, 64),  # 162 tiles: past one wave (H200: 3 splits)
+    "riding": ([1] * 8 + [64], [300 + 50 * i for i in range(8)] + [8000], 8, 64),  # a prompt chunk after 8 trees
 }
 
 
@@ -191,7 +204,7 @@ def test_mla_matches_reference(name, variant):
         if variant == "bf16-mma.sync":
             return _tree_attention_cuda(q, cache, bt, pl, cu, mask, scale, kv_heads=1, dv=MLA_DV,
                                         row_stride=MLA_DK, v_off=0, out=out, mma_sync=True)
-        return mla_tree_attention(q, cache, bt, pl, cu, mask, scale, MLA_DV, out=out)
+        return mla_tree_attention(q, cache, bt, pl, cu, mask, scale, MLA_DV, out=out, longest=max(q_lens))
 
     out = _run(fn, case, (T, heads, MLA_DV), dtype)
     ref = _reference(case, None, scale)
@@ -214,6 +227,7 @@ GQA_CASES = {  # name: (q_lens, prefixes, Hq, Hkv, D, page_size)
     "mha-split": ([7], [3000], 4, 4, 128, 16),
     "smollm-decode": ([1], [4095], 9, 3, 64, 64),
     "llama-decode": ([1, 1, 1], [4097, 63, 1000], 32, 8, 128, 16),
+    "llama-riding": ([1] * 8 + [128], [200] * 8 + [16000], 32, 8, 128, 16),  # a prompt chunk after 8 decoding
 }
 
 
@@ -225,7 +239,8 @@ def test_gqa_matches_reference(name, dtype):
     scale = d ** -0.5
     case = make_case(q_lens, prefixes, heads=hq, kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype,
                      device="cuda", seed=zlib.crc32(name.encode()))
-    out = _run(lambda *a, out: gqa_tree_attention(*a, scale, out=out), case, (case[0].shape[0], hq, d), dtype)
+    out = _run(lambda *a, out: gqa_tree_attention(*a, scale, out=out, longest=max(q_lens)), case,
+               (case[0].shape[0], hq, d), dtype)
     ref = _reference(case, hkv, scale)
     assert _rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2), _where_wrong(out, ref)
 

@@ -8,6 +8,7 @@ import torch
 
 import kdray.model.k2 as k2
 from kdray import LLM, SamplingParams
+from kdray.engine.runner import ModelRunner
 from kdray.model.presets import K2_TINY
 
 GEN = torch.Generator().manual_seed(5)
@@ -61,6 +62,41 @@ def test_chunked_prefill_of_any_size_changes_nothing(reference, mode, chunk):
     for params in PARAMS:
         llm = LLM(model="k2-tiny", prefill_chunk=chunk, prefix_caching=False, **MODES[mode])
         assert tokens(llm, PARAMS[params]) == reference[(mode, params)]
+
+
+@pytest.mark.parametrize("chunk,padded", [(16, False), (32, True)])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_prompt_chunks_riding_in_the_running_step_change_nothing(reference, mode, chunk, padded, monkeypatch):
+    """Requests that arrive while others decode: each lone prompt chunk runs inside the running sequences' verify
+    pass (one target pass for both) and every output is the reference's; the drafts are those of chunks in passes of
+    their own (the riding chunks gave the drafter the same context). ``padded``: the batch and the chunk padded to
+    their buckets, as under CUDA graphs (here run eagerly)."""
+    rode, drafts = [], []
+    verify, draft = ModelRunner.verify, ModelRunner.draft
+    monkeypatch.setattr(ModelRunner, "verify", lambda self, tree, inputs, chunk=None:
+                        rode.append(chunk is not None) or verify(self, tree, inputs, chunk))
+    monkeypatch.setattr(ModelRunner, "draft", lambda self, inputs: drafts.append(out := draft(self, inputs)) or out)
+
+    def staggered(params: SamplingParams, riding: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        engine, done = LLM(model="k2-tiny", prefill_chunk=chunk, prefix_caching=False, **MODES[mode]).engine, {}
+        if not riding:
+            engine.runner.riding_rows = lambda prefill, step: None
+        engine.runner.graphs = padded  # no graphs were made: the padded shapes run eagerly
+        rode.clear()
+        drafts.clear()
+        for i in range(96):  # a request every 6 steps: its chunks are the only ones in their steps
+            if i % 6 == 0 and i // 6 < len(PROMPTS):
+                engine.add_request(f"r{i // 6}", PROMPTS[i // 6], params)
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return [done[f"r{i}"] for i in range(len(PROMPTS))], [d.logits for d in drafts if d is not None]
+
+    for params in PARAMS:
+        outs, riding_drafts = staggered(PARAMS[params], riding=True)
+        assert outs == reference[(mode, params)]
+        assert any(rode) and not all(rode)
+        _, own_pass_drafts = staggered(PARAMS[params], riding=False)
+        assert len(riding_drafts) == len(own_pass_drafts)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(riding_drafts, own_pass_drafts))
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])

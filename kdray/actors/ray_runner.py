@@ -294,6 +294,11 @@ class RayRunner:
         guarded(lambda: actors.send(plan))
         return lambda: guarded(lambda: actors.wait(replies))
 
+    def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
+        """One engine step's prompt chunks (a prefill plan) and its speculative step (a step plan), each sent when
+        given: the shards run chunks in a pass of their own."""
+        return (self.prefill(prefill) if prefill is not None else None), (self.step(step) if step is not None else None)
+
     def prefill(self, batch: PrefillBatch) -> Pending[StepResult]:
         wait = self._send(prefill_plan(batch), ("shard 0",))
 

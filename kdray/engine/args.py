@@ -49,7 +49,8 @@ class EngineArgs:
     max_model_len: int | None = setting("context length (default: the model's)", default=None)
     max_tokens_per_step: int = setting("tokens one step may run (prefill chunks and tree nodes)", default=8192)
     prefill_chunk: int | None = setting("most prompt tokens of one request prefilled in one step (default: "
-                                        "max_tokens_per_step)", default=None)
+                                        "max_tokens_per_step); at most 2048, a lone chunk runs inside the running "
+                                        "sequences' step, which then reads the weights once", default=None)
     prefix_caching: bool = setting("reuse the KV pages of prompts' common prefixes across requests", default=True)
     page_size: int = setting("tokens per KV-cache page (a power of two)", default=16)
     num_pages: int | None = setting("KV-cache pages (default: what fits half the free GPU memory, or 512 MiB "

@@ -93,19 +93,33 @@ def warm_prefill(runner, layout: EngineLayout):
     compiles on first use (seconds on a GPU, measured 3.4 s for SmolLM2 on the H200) is paid at start-up, not by
     the first request, and a lone chunk's graphs are captured at every prompt bucket, with nothing cached before
     it and after a cached page."""
-    scratch_page = layout.num_pages  # the page after the pool's (see ModelRunner)
     buckets = runner.prompt_buckets() if isinstance(runner, ModelRunner) else []
     for size, start in [(layout.page_size, 0)] + [(n, s) for n in buckets for s in (0, layout.page_size)]:
-        batch = PrefillBatch(slots=[layout.num_slots], prompts=[[0] * size], starts=[start], pages=[[scratch_page]],
-                             params=[SamplingParams()], seeds=[0], last=[True], roots=[None],
-                             prompt_lens=[start + size], bans=[[]], histories=[None], scored=[[]])
-        runner.prefill(batch).result()
+        runner.prefill(scratch_prompt(layout, size, start)).result()
+
+
+def warm_riding(runner: ModelRunner, layout: EngineLayout):
+    """With a fixed budget, the graphs of steps that a lone prompt chunk rides in, captured for every batch bucket
+    and every padded chunk size up to ``layout.step_chunk``'s (the scratch slot's, as :func:`warm_steps`)."""
+    for b in [b for b in BUCKETS if b <= layout.num_slots]:
+        for size in runner.riding_buckets():
+            for pending in runner.launch(scratch_prompt(layout, size, 0), StepBatch([layout.num_slots] * b,
+                                                                                   layout.spec.nodes)):
+                pending.result()
+
+
+def scratch_prompt(layout: EngineLayout, size: int, start: int) -> PrefillBatch:
+    """A chunk of ``size`` tokens after ``start`` in the scratch slot, its KV to the scratch page (the page after the
+    pool's, see ModelRunner)."""
+    return PrefillBatch(slots=[layout.num_slots], prompts=[[0] * size], starts=[start], pages=[[layout.num_pages]],
+                        params=[SamplingParams()], seeds=[0], last=[True], roots=[None], prompt_lens=[start + size],
+                        bans=[[]], histories=[None], scored=[[]])
 
 
 def warm_up(runner, layout: EngineLayout) -> BudgetPolicy | None:
     """Before the first request: the prefill path run once; ``budget="auto"``'s policy with its cost table measured
-    on this device at every width it may choose; a fixed budget's step graphs captured for every batch bucket.
-    Returns the policy."""
+    on this device at every width it may choose; a fixed budget's step graphs captured for every batch bucket, and
+    those a lone prompt chunk rides in. Returns the policy."""
     warm_prefill(runner, layout)
     if layout.spec.auto:
         policy = BudgetPolicy(max_nodes=layout.spec.nodes, depth=layout.spec.depth)
@@ -113,4 +127,6 @@ def warm_up(runner, layout: EngineLayout) -> BudgetPolicy | None:
         return policy
     if layout.cuda_graphs:
         warm_steps(runner, layout, [layout.spec.nodes], repeats=1)
+        if isinstance(runner, ModelRunner):
+            warm_riding(runner, layout)
     return None

@@ -158,7 +158,8 @@ class Engine:
 
     def _launch(self) -> list[_Launch]:
         """Admit, pick this step's sequences (pages for what they may write; preemption when none are left), then
-        launch the context chunks that fit the step's remaining token budget and the step itself."""
+        launch the context chunks that fit the step's remaining token budget and the step itself (the runner runs a
+        lone chunk inside the step's pass where it can)."""
         self.scheduler.admit()
         batch = self.scheduler.reserve(self.scheduler.decode_batch())
         for seq in [s for s in self.scheduler.running if s.preempted and s.inflight == 0]:
@@ -167,7 +168,7 @@ class Engine:
         if batch:
             nodes = self.policy.choose([s.masses for s in batch]) if self.policy is not None else self.nodes
         chunks = self.scheduler.prefill_chunks(self.scheduler.max_tokens_per_step - len(batch) * (1 + nodes))
-        launches = []
+        prefill = step = None
         if chunks:
             seqs = [seq for seq, _, _ in chunks]
             prefill = PrefillBatch(
@@ -183,15 +184,19 @@ class Engine:
             for seq, _, end in chunks:
                 seq.prefilled, seq.pages_sent = end, len(seq.pages)
                 seq.scheduled_at = seq.scheduled_at or now
-            launches.append(_Launch(seqs, self.runner.prefill(prefill), prefill=True, last=prefill.last,
-                                    starts=prefill.starts, grammar=prefill.grammars is not None))
         if batch:
             grown = {}  # slot -> its pages, where they grew since last sent
             for seq in batch:
                 if len(seq.pages) != seq.pages_sent:
                     grown[seq.slot], seq.pages_sent = list(seq.pages), len(seq.pages)
             step = StepBatch([s.slot for s in batch], nodes, grown, _grammars(batch))
-            launches.append(_Launch(batch, self.runner.step(step), prefill=False, nodes=nodes, at=time.perf_counter(),
+        prefilled, stepped = self.runner.launch(prefill, step)
+        launches = []
+        if prefill is not None:
+            launches.append(_Launch(seqs, prefilled, prefill=True, last=prefill.last, starts=prefill.starts,
+                                    grammar=prefill.grammars is not None))
+        if step is not None:
+            launches.append(_Launch(batch, stepped, prefill=False, nodes=nodes, at=time.perf_counter(),
                                     grammar=step.grammars is not None))
         for launch in launches:
             for i, seq in enumerate(launch.seqs):

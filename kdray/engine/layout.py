@@ -15,6 +15,9 @@ from kdray.engine.args import AUTO_MAX_NODES, EngineArgs
 from kdray.model.tokenizer import Tokenizer
 
 KV_BUDGET_BYTES_CPU = 512 << 20
+# Token counts a lone prompt chunk's graphed forward is padded to. Past 512 no chunk is padded by more than half: on K2
+# a 1-2k-token pass is mostly GPU time, and 1108 tokens padded to 2048 lost to the eager pass (H200, K2 TP8 shard).
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass
@@ -39,6 +42,9 @@ class EngineLayout:
     max_pages_per_seq: int  # block-table width: every sequence's pages up to the context limit
     target_layer_ids: tuple[int, ...]  # target layers whose outputs feed the drafter
     cuda_graphs: bool
+    # a lone prompt chunk of at most this many tokens runs inside the running sequences' step, in their verify pass
+    # (the weights read once for both); 0: chunks always run in a pass of their own
+    step_chunk: int = 0
 
     @classmethod
     def plan(cls, args: EngineArgs, facts: ModelFacts) -> EngineLayout:
@@ -49,13 +55,15 @@ class EngineLayout:
                           block_size=draft.block_size if draft else (args.block_size or DFLASH_BLOCK_SIZE),
                           auto=auto and args.spec == "ddtree")
         limit = args.max_model_len or cfg.max_position_embeddings
+        chunk = args.prefill_chunk or args.max_tokens_per_step
         if limit > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={limit} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         return cls(spec=spec, max_model_len=limit, num_pages=args.num_pages or facts.kv_pages,
                    page_size=args.page_size, num_slots=args.max_num_seqs,
                    max_pages_per_seq=-(-(limit + spec.cache_slack) // args.page_size),
-                   target_layer_ids=draft.target_layer_ids if draft else (), cuda_graphs=args.cuda_graphs)
+                   target_layer_ids=draft.target_layer_ids if draft else (), cuda_graphs=args.cuda_graphs,
+                   step_chunk=chunk if chunk <= PROMPT_BUCKETS[-1] else 0)
 
 
 def kv_pages_that_fit(models, page_size: int, device: torch.device, dtype: torch.dtype, gpu_share: float = 1.0) -> int:

@@ -6,7 +6,8 @@ it on the device, so the next step needs nothing from the host but the list of s
 step's tokens back while the next one runs. AR, chain and DDTree are the same step with different trees:
 the root alone, a single path, or the best-first tree. In-process one runner does all of it
 (:meth:`ModelRunner.step`, one CUDA graph per batch-size bucket on GPUs; a lone prompt chunk of up to 2048 tokens
-is prefilled from a graph too, since an eager pass of a short chunk costs more host time than device time); on
+is prefilled from a graph too, since an eager pass of a short chunk costs more host time than device time, and
+while sequences run it rides in their step's verify pass, reading the weights once: :meth:`ModelRunner.launch`); on
 Ray a shard's runner verifies, accepts and commits, and the drafter actor's runner drafts and builds (see
 :mod:`kdray.actors`), calling the same stage methods.
 """
@@ -19,14 +20,16 @@ import numpy as np
 import torch
 
 from kdray.engine.cuda_graphs import GraphedFn
-from kdray.engine.layout import EngineLayout
+from kdray.engine.layout import PROMPT_BUCKETS, EngineLayout
 from kdray.engine.request import MAX_BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS
-from kdray.engine.step import (Accepted, Committed, DraftOutput, Pending, PrefillBatch, StageTimer, StepBatch,
-                               StepInputs, StepResult, Verified, first_tokens, unpack_logprobs, unpack_tokens)
+from kdray.engine.step import (Accepted, ChunkRows, Committed, DraftOutput, Pending, PrefillBatch, StageTimer,
+                               StepBatch, StepInputs, StepResult, Verified, first_tokens, unpack_logprobs,
+                               unpack_tokens)
 from kdray.kernels.kv_compact import kv_compact
 from kdray.kernels.tree_accept import tree_accept
 from kdray.kernels.tree_build import DraftTree, tree_build
-from kdray.model.batch import ForwardBatch, causal_tree_mask, device_array, pack_bits, prompt_chunks, uniform_batch
+from kdray.model.batch import (ForwardBatch, causal_tree_mask, device_array, join, pack_bits, prompt_chunks,
+                               uniform_batch)
 from kdray.model.dflash import DFlashDrafter
 from kdray.model.loader import LoadedTarget
 from kdray.spec.budget import WIDTHS, width_masses
@@ -36,9 +39,6 @@ from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
-# Token counts a lone prompt chunk's graphed forward is padded to. Past 512 no chunk is padded by more than half: on K2
-# a 1-2k-token pass is mostly GPU time, and 1108 tokens padded to 2048 lost to the eager pass (H200, K2 TP8 shard).
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}  # of the slot state
 
 
@@ -297,8 +297,13 @@ class ModelRunner:
         done = self.run_prompts(batch, self._prompt_graphs)
         if done.features is not None:
             self.add_context(done.features, done.positions, done.cache_rows)
-        values, scored = [done.first, *(done.logprobs or ())], [len(s) for s in batch.scored]
-        return self._to_host(values, lambda host, _: first_tokens(*host, scored=scored))
+        return self._first_tokens_to_host(batch, done.first, done.logprobs)
+
+    def _first_tokens_to_host(self, batch: PrefillBatch, first: torch.Tensor, logprobs: tuple | None) -> Pending:
+        """A prefill's first tokens ``[B]`` (and log-probabilities, the prompts' after the first tokens') on their
+        way to the host."""
+        scored = [len(s) for s in batch.scored]
+        return self._to_host([first, *(logprobs or ())], lambda host, _: first_tokens(*host, scored=scored))
 
     def run_prompts(self, batch: PrefillBatch, graphs: GraphedFn | None = None) -> Prefilled:
         """Record the sequences' slots, run their context chunks (after their cached tokens), cache the KV; at a
@@ -311,7 +316,7 @@ class ModelRunner:
         positions = chunk_positions(batch.starts, lens, self.device)  # [T]
         idx = device_array(batch.slots, self.device)  # [B]
         scored = any(batch.scored)
-        graphed = not scored and self._prompt_bucket(len(ids), batch.starts, graphs) is not None
+        graphed = not scored and graphs is not None and self._prompt_bucket(len(ids), batch.starts) is not None
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk (a graphed
         # chunk has its bucket's own)
         table = self.slots.block_table[idx]
@@ -325,24 +330,32 @@ class ModelRunner:
             logits, features, scores = self.score_prompts(fb, last, lens, batch.scored)
         else:
             logits, features = self.forward_prompts(fb, batch.starts, last, graphs)  # [B, V], [T, F] or None
+        first, logprobs = self.start_slots(batch, idx, logits, positions[last], scores is not None)
+        if scores is not None:
+            logprobs = tuple(torch.cat(pair) for pair in zip(logprobs, scores))  # [B + S, 1+K] each
+        return Prefilled(first, features, positions, fb.slot_mapping, logprobs)
+
+    def start_slots(self, batch: PrefillBatch, idx: torch.Tensor, logits: torch.Tensor, at: torch.Tensor,
+                    logprobs: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """After the chunks of ``batch`` (slots ``idx [B]``) ran: each one's next token, chosen from the logits of its
+        last token ``[B, V]`` at positions ``at [B]`` (a resumed request's given root instead), and the slots of
+        those that end their context started -> (the tokens ``[B]``, their log-probabilities (values, ids)
+        ``[B, 1+K]`` where asked or ``logprobs``, else None)."""
         extras = self.slots.extras(batch.slots)
         inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots), extras)
-        changes = self.slots.transforms(idx, positions[last], extras)
+        changes = self.slots.transforms(idx, at, extras)
         chosen = logits if changes is None else apply_transforms(logits, changes)
         if batch.grammars is not None:  # the first token follows its grammar too
             roots = root_only_tree(torch.zeros(len(batch.slots), dtype=torch.int64))
             chosen = masked(chosen, tree_masks(batch.grammars, roots, logits.shape[1]).to(self.device))
-        first = choose_tokens(chosen, positions[last], inputs.params)
+        first = choose_tokens(chosen, at, inputs.params)
         given = device_array([-1 if r is None else r for r in batch.roots], self.device)  # [B]
         first = torch.where(given >= 0, given, first)  # [B]
         done = device_array(batch.last, self.device, np.bool_)  # [B]
-        self.slots.start(idx, first, positions[last] + 1, done)
-        logprobs = None
-        if "logprobs" in extras or scores is not None:
-            logprobs = token_logprobs(logits, first, MAX_LOGPROBS)  # [B, 1+K] each
-            if scores is not None:
-                logprobs = tuple(torch.cat(pair) for pair in zip(logprobs, scores))  # [B + S, 1+K] each
-        return Prefilled(first, features, positions, fb.slot_mapping, logprobs)
+        self.slots.start(idx, first, at + 1, done)
+        if "logprobs" in extras or logprobs:
+            return first, token_logprobs(logits, first, MAX_LOGPROBS)  # [B, 1+K] each
+        return first, None
 
     def score_prompts(self, fb: ForwardBatch, last: torch.Tensor, lens: list[int], scored: list[list[int]]
                       ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
@@ -356,11 +369,11 @@ class ModelRunner:
         head = self.target.model.logits
         return head(hidden[last]), features, head_logprobs(head, hidden[rows], tokens, MAX_LOGPROBS)
 
-    def _prompt_bucket(self, T: int, starts: list[int], graphs: GraphedFn | None) -> int | None:
-        """The prompt bucket a lone chunk of ``T`` tokens (after ``starts[0]`` cached ones) replays from
-        ``graphs`` at, or None when it runs eagerly: no graphs, several chunks, over the largest bucket, or padded
-        past the block table's last position."""
-        size = next((n for n in PROMPT_BUCKETS if n >= T), None) if graphs is not None else None
+    def _prompt_bucket(self, T: int, starts: list[int]) -> int | None:
+        """The prompt bucket a lone chunk of ``T`` tokens (after ``starts[0]`` cached ones) is padded to under graphs,
+        or None when it cannot be: several chunks, over the largest bucket, or padded past the block table's last
+        position."""
+        size = next((n for n in PROMPT_BUCKETS if n >= T), None)
         limit = self.layout.max_pages_per_seq * self.page_size
         return None if size is None or len(starts) != 1 or starts[0] + size > limit else size
 
@@ -373,23 +386,28 @@ class ModelRunner:
         chunk's, so causal attention keeps them from the chunk's tokens, and their KV goes to the scratch page
         (their positions stay inside the block table, which the verify form reads)."""
         T = fb.input_ids.shape[0]
-        size = self._prompt_bucket(T, starts, graphs)
+        size = self._prompt_bucket(T, starts) if graphs is not None else None
         if size is None:
             hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
             return self.target.model.logits(hidden[last]), features
-        pad = size - T
-        after = torch.arange(1, pad + 1, device=self.device)  # [pad]
+        cached = starts[0] > 0  # a chunk after cached tokens: the verify form, causal over the padded chunk
+        (logits, features), _ = graphs(self._padded_chunk(fb, last, size, cached), cached=cached)
+        return logits, None if features is None else features[:T]
+
+    def _padded_chunk(self, fb: ForwardBatch, last: torch.Tensor, size: int, causal: bool) -> tuple:
+        """A lone chunk's rows of ``fb`` padded to ``size`` (the padding's KV to the scratch page, its positions after
+        the chunk's): (ids, positions, prefix_lens, block_table, slot_mapping, last), and with ``causal`` the causal
+        mask over ``size`` rows, as :meth:`_prompt_fn` and :class:`ChunkRows` take them."""
+        after = torch.arange(1, size - fb.input_ids.shape[0] + 1, device=self.device)  # [pad]
         scratch = self.slots.scratch_page * self.page_size + after % self.page_size  # [pad] rows of the scratch page
         inputs = (torch.cat([fb.input_ids, torch.zeros_like(after)]),
                   torch.cat([fb.positions, fb.positions[-1] + after]), fb.prefix_lens, fb.block_table,
                   torch.cat([fb.slot_mapping, scratch]), last)
-        cached = starts[0] > 0
-        if cached:  # a chunk after cached tokens: the verify form, causal over the padded chunk
-            if size not in self._prompt_masks:
-                self._prompt_masks[size] = causal_tree_mask([size], self.device)
-            inputs += (self._prompt_masks[size],)
-        (logits, features), _ = graphs(inputs, cached=cached)
-        return logits, None if features is None else features[:T]
+        if not causal:
+            return inputs
+        if size not in self._prompt_masks:
+            self._prompt_masks[size] = causal_tree_mask([size], self.device)
+        return inputs + (self._prompt_masks[size],)
 
     def _prompt_fn(self, timer: StageTimer, ids: torch.Tensor, positions: torch.Tensor, prefix_lens: torch.Tensor,
                    block_table: torch.Tensor, slot_mapping: torch.Tensor, last: torch.Tensor,
@@ -427,19 +445,62 @@ class ModelRunner:
 
     # ---- one speculative step
 
-    @torch.no_grad()
+    def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
+        """One engine step's work: its prompt chunks and its speculative step -> their results on the way to the host
+        (None for the part not given). A lone chunk that may ride (:meth:`riding_rows`) runs inside the step's verify
+        pass, else the chunks run in a prefill pass first."""
+        if prefill is not None and step is not None and (rows := self.riding_rows(prefill, step)) is not None:
+            return self._step(step, prefill, rows)
+        return (self.prefill(prefill) if prefill is not None else None), (self.step(step) if step is not None else None)
+
+    def riding_rows(self, prefill: PrefillBatch, step: StepBatch) -> int | None:
+        """The rows a prefill's chunk runs at inside ``step``'s verify pass (its tokens, padded to a prompt bucket
+        under CUDA graphs), or None where it runs in a pass of its own: several chunks, more tokens than
+        ``layout.step_chunk``, prompt tokens to score, grammars (their steps run eagerly), or a padded chunk past the
+        block table."""
+        T = len(prefill.prompts[0])
+        if (len(prefill.slots) != 1 or T > self.layout.step_chunk or any(prefill.scored)
+                or prefill.grammars is not None or step.grammars is not None):
+            return None
+        return self._prompt_bucket(T, prefill.starts) if self.graphs else T
+
+    def riding_buckets(self) -> list[int]:
+        """The padded sizes a riding chunk's step replays from graphs at (none without graphs): what the warm-up
+        captures."""
+        if not self.graphs or not self.layout.step_chunk:
+            return []
+        top = next(n for n in PROMPT_BUCKETS if n >= self.layout.step_chunk)
+        return [n for n in self.prompt_buckets() if n <= top]
+
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """All five stages in this process (one CUDA graph per batch-size bucket and tree width on GPUs), the
         device state advanced; the tokens (and, with ``budget="auto"``, the trees' masses) on their way to the host."""
+        return self._step(batch)[1]
+
+    @torch.no_grad()
+    def _step(self, batch: StepBatch, prefill: PrefillBatch | None = None, rows: int = 0
+              ) -> tuple[Pending | None, Pending[StepResult]]:
+        """:meth:`step`, with ``prefill``'s lone chunk (padded to ``rows``) riding in the verify pass: its first token
+        chosen after the pass -> (the chunk's result or None, the step's)."""
         self.slots.set_pages(batch.pages)
         start = self._mark()
+        chunk = None
+        if prefill is not None:
+            self.slots.admit(prefill)
+            chunk = self._riding_chunk(prefill, rows)
         idx, options = self.slot_index(batch.slots), dict(greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
                                                           extras=self.slots.extras(batch.slots))
         if batch.grammars is None:
-            (packed, masses, *logprobs), timer = self._run(self._step_fn, self._step_graphs, idx, **options)
+            (packed, masses, chunk_logits, *logprobs), timer = self._run(
+                self._step_fn, self._step_graphs, idx, *(chunk.tensors() if chunk else ()), **options)
         else:  # eagerly: the trees come to the host for their grammars' masks between the halves
             timer = self.timer()
-            packed, masses, *logprobs = self._step_fn(timer, idx, **options, grammars=batch.grammars)
+            packed, masses, chunk_logits, *logprobs = self._step_fn(timer, idx, **options, grammars=batch.grammars)
+        first = None
+        if chunk is not None:
+            slot = device_array(prefill.slots, self.device)  # [1]
+            first = self._first_tokens_to_host(prefill, *self.start_slots(prefill, slot, chunk_logits,
+                                                                          chunk.positions[chunk.last]))
         n = len(batch.slots)
         values = [t[:n] for t in (packed, masses, *logprobs) if t is not None]
 
@@ -450,7 +511,17 @@ class ModelRunner:
             found = rest.pop(0) if masses is not None else None
             return StepResult(tokens, seconds, found, unpack_logprobs(*rest, tokens) if rest else None)
 
-        return self._to_host(values, result, start)
+        return first, self._to_host(values, result, start)
+
+    def _riding_chunk(self, prefill: PrefillBatch, rows: int) -> ChunkRows:
+        """A prefill's lone chunk for a step's verify pass, padded to ``rows``."""
+        ids = device_array(prefill.prompts[0], self.device)  # [T]
+        T = ids.shape[0]
+        positions = chunk_positions(prefill.starts, [T], self.device)  # [T]
+        table = self.slots.block_table[device_array(prefill.slots, self.device)]  # [1, max_pages]
+        fb = ForwardBatch.build(ids, positions, [T], prefill.starts, table, self.page_size, None)
+        last = torch.full((1,), T - 1, dtype=torch.int64, device=self.device)  # [1]
+        return ChunkRows(*self._padded_chunk(fb, last, rows, causal=True))
 
     def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, StageTimer]:
         """The drafter actor's half: draft and build -> (the trees packed for the link ``[Bp, packed_width]``, the
@@ -495,19 +566,25 @@ class ModelRunner:
         timer = self.timer()
         return fn(timer, *inputs, **options), timer
 
-    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, greedy: bool, nodes: int, extras: tuple[str, ...],
-                 grammars: list[GrammarState | None] | None = None):
+    def _step_fn(self, timer: StageTimer, idx: torch.Tensor, *chunk: torch.Tensor, greedy: bool, nodes: int,
+                 extras: tuple[str, ...], grammars: list[GrammarState | None] | None = None):
+        """The in-process step -> (packed result, masses, the riding chunk's logits at its last token ``[1, V]`` or
+        None, the log-probabilities). ``chunk``: the :class:`ChunkRows` fields of a prompt chunk riding in the verify
+        pass (its context features go to the drafter here)."""
         inputs = self.slots.inputs(idx, greedy, extras)
         tree, masses = self.propose(inputs, timer, nodes)
         if grammars is not None:  # each node's mask after its path, counted with the tree's build
             inputs.allowed = tree_masks(grammars, tree, self.target.model.cfg.vocab_size).to(self.device)
             timer.end("build")
-        committed = self.settle(tree, inputs, timer)
+        rows = ChunkRows(*chunk) if chunk else None
+        committed, verified = self.settle(tree, inputs, timer, rows)
         if committed.features is not None:
             self.add_context(committed.features.flatten(0, 1), *self.path_rows(inputs))
+        if verified.chunk_features is not None:
+            self.add_context(verified.chunk_features, rows.positions, rows.slot_mapping)
         self._advance(idx, committed, extras)
         timer.end("commit")
-        return committed.packed(), masses, *(committed.logprobs or ())
+        return committed.packed(), masses, verified.chunk_logits, *(committed.logprobs or ())
 
     def _propose_fn(self, timer: StageTimer, idx: torch.Tensor, nodes: int):
         tree, masses = self.propose(self.slots.inputs(idx, True), timer, nodes)
@@ -516,7 +593,7 @@ class ModelRunner:
     def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool, nodes: int,
                    extras: tuple[str, ...]):
         inputs = self.slots.inputs(idx, greedy, extras)
-        committed = self.settle(DraftTree.unpack(tree, nodes), inputs, timer)
+        committed, _ = self.settle(DraftTree.unpack(tree, nodes), inputs, timer)
         self._advance(idx, committed, extras)
         timer.end("commit")
         return committed.packed(), committed.features, *(committed.logprobs or ())
@@ -540,14 +617,15 @@ class ModelRunner:
         timer.end("build")
         return (tree.prefix(nodes) if nodes < tree.tokens.shape[1] - 1 else tree), masses
 
-    def settle(self, tree: DraftTree, inputs: StepInputs, timer: StageTimer) -> Committed:
-        """The target's half: ``verify``, ``accept``, ``commit`` (its timing closed by the caller, after the
-        context hand-off)."""
-        verified = self.verify(tree, inputs)
+    def settle(self, tree: DraftTree, inputs: StepInputs, timer: StageTimer, chunk: ChunkRows | None = None
+               ) -> tuple[Committed, Verified]:
+        """The target's half: ``verify`` (with a riding prompt ``chunk``), ``accept``, ``commit`` (its timing closed
+        by the caller, after the context hand-off)."""
+        verified = self.verify(tree, inputs, chunk)
         timer.end("verify")
         accepted = self.accept(verified, tree, inputs)
         timer.end("accept")
-        return self.commit(accepted, tree, verified, inputs)
+        return self.commit(accepted, tree, verified, inputs), verified
 
     def draft(self, inputs: StepInputs) -> DraftOutput | None:
         """The drafter over ``[bonus, MASK x L]`` per sequence -> logits at depths 1..L (None for AR)."""
@@ -568,16 +646,22 @@ class ModelRunner:
         budgets = torch.full((inputs.roots.shape[0],), self.spec.nodes, dtype=torch.int32, device=self.device)
         return tree_build(draft.logits, inputs.roots, budgets, self.spec.nodes, self.spec.max_topk)
 
-    def verify(self, tree: DraftTree, inputs: StepInputs) -> Verified:
-        """Every tree node through the target in one pass. Each tree runs at its full width 1 + nodes (slots past
-        ``num_nodes`` hold token 0 seeing only itself and are never accepted), so the pass's shape is known
-        without reading the trees back."""
+    def verify(self, tree: DraftTree, inputs: StepInputs, chunk: ChunkRows | None = None) -> Verified:
+        """Every tree node through the target in one pass, and after them a riding prompt ``chunk``'s tokens. Each
+        tree runs at its full width 1 + nodes (slots past ``num_nodes`` hold token 0 seeing only itself and are never
+        accepted), so the pass's shape is known without reading the trees back."""
         width = tree.tokens.shape[1]
         positions = (inputs.prefix_lens[:, None] + tree.depths).long().flatten()  # [B * (1+N)]
         fb = uniform_batch(tree.tokens.flatten(), positions, width, inputs.prefix_lens, inputs.block_table,
                            self.page_size, tree.mask)
-        hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
-        return Verified(self.target.model.logits(hidden), positions, features)
+        if chunk is None:
+            hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
+            return Verified(self.target.model.logits(hidden), positions, features)
+        hidden, features = self.target.model(join(fb, chunk.forward_batch()), self.kv, self.layout.target_layer_ids)
+        n, logits = positions.shape[0], self.target.model.logits
+        return Verified(logits(hidden[:n]), positions, None if features is None else features[:n],
+                        chunk_logits=logits(hidden[n + chunk.last]),
+                        chunk_features=None if features is None else features[n:])
 
     def accept(self, verified: Verified, tree: DraftTree, inputs: StepInputs) -> Accepted:
         """The target's choice at every node (argmax, or its exact sample), then the longest path it agrees with."""

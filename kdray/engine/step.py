@@ -25,6 +25,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kdray.engine.request import SamplingParams
+from kdray.model.batch import ForwardBatch
 from kdray.spec.grammar import GrammarState
 from kdray.spec.sampling import RowParams
 
@@ -81,6 +82,32 @@ class StepInputs:
 
 
 @dataclass
+class ChunkRows:
+    """A lone prompt chunk that rides in a step's verify pass, after the trees' rows: its tokens after ``prefix_len``
+    cached ones, causal among themselves, padded to a prompt bucket under CUDA graphs (padding rows come last, so the
+    chunk's tokens never see them, and write their KV to the scratch page)."""
+
+    ids: torch.Tensor  # [C] int64
+    positions: torch.Tensor  # [C] int64
+    prefix_len: torch.Tensor  # [1] int32
+    block_table: torch.Tensor  # [1, max_pages] int32
+    slot_mapping: torch.Tensor  # [C] int64
+    last: torch.Tensor  # [1] int64: the row of the chunk's last token
+    mask: torch.Tensor  # [1, C, ceil(C/32)] int32: causal
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in order (a graph's inputs)."""
+        return (self.ids, self.positions, self.prefix_len, self.block_table, self.slot_mapping, self.last, self.mask)
+
+    def forward_batch(self) -> ForwardBatch:
+        C = self.ids.shape[0]
+        cu = torch.arange(0, 2 * C, C, dtype=torch.int32, device=self.ids.device)  # [2]: made on the device
+        return ForwardBatch(input_ids=self.ids, positions=self.positions, cu_q=cu, q_lens=[C],
+                            prefix_lens=self.prefix_len, block_table=self.block_table, slot_mapping=self.slot_mapping,
+                            tree_mask=self.mask)
+
+
+@dataclass
 class DraftOutput:
     logits: torch.Tensor  # [B, L, V] fp32: the drafter's logits at depths 1..L
 
@@ -90,6 +117,8 @@ class Verified:
     logits: torch.Tensor  # [B * (1+N), V] fp32: the target's logits at every tree node
     positions: torch.Tensor  # [B * (1+N)] int64
     features: torch.Tensor | None  # [B * (1+N), F]: the drafter's context features at every node
+    chunk_logits: torch.Tensor | None = None  # [1, V] fp32: a riding prompt chunk's at its last token
+    chunk_features: torch.Tensor | None = None  # [C, F]: its context features (padding rows included)
 
 
 @dataclass

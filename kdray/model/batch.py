@@ -85,6 +85,25 @@ class ForwardBatch:
                    tree_mask=tree_mask)
 
 
+def join(first: ForwardBatch, second: ForwardBatch) -> ForwardBatch:
+    """One verify-form pass over the sequences of two verify-form batches (``first``'s rows, then ``second``'s), made
+    on the device: their masks zero-padded to the wider shape. A step's trees and a prompt chunk after them run so,
+    reading the weights once."""
+    if first.is_prefill or second.is_prefill or first.context is not None or second.context is not None:
+        raise ValueError("join() takes verify-form batches without a chunk context")
+    q, w = (max(first.tree_mask.shape[i], second.tree_mask.shape[i]) for i in (1, 2))
+    masks = [torch.nn.functional.pad(b.tree_mask, (0, w - b.tree_mask.shape[2], 0, q - b.tree_mask.shape[1]))
+             for b in (first, second)]  # [B_i, Qmax, W] each
+    return ForwardBatch(input_ids=torch.cat([first.input_ids, second.input_ids]),
+                        positions=torch.cat([first.positions, second.positions]),
+                        cu_q=torch.cat([first.cu_q, second.cu_q[1:] + first.cu_q[-1]]),
+                        q_lens=first.q_lens + second.q_lens,
+                        prefix_lens=torch.cat([first.prefix_lens, second.prefix_lens]),
+                        block_table=torch.cat([first.block_table, second.block_table]),
+                        slot_mapping=torch.cat([first.slot_mapping, second.slot_mapping]),
+                        tree_mask=torch.cat(masks))
+
+
 def prompt_chunks(input_ids: torch.Tensor, positions: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
                   block_table: torch.Tensor, page_size: int) -> ForwardBatch:
     """Prompt chunks of ``q_lens`` tokens after ``prefix_lens`` cached ones: the verify form with a causal mask over

@@ -104,7 +104,8 @@ class MLAttention(nn.Module):
                            q_attn[..., L:], rows, batch.slot_mapping, q_nope=q[..., :nope], w_uk=w_uk,
                            q_latent=q_attn[..., :L])
             o_latent = mla_tree_attention(q_attn, cache, batch.block_table, batch.prefix_lens, batch.cu_q,
-                                          batch.tree_mask, c.softmax_scale, L, early_prefix=True)  # [T, Hl, kv_lora]
+                                          batch.tree_mask, c.softmax_scale, L, early_prefix=True,
+                                          longest=max(batch.q_lens))  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
             skinny_bmm(o_latent, w_uv, out)  # per head: one token on skinny_linear's kernel, else torch.bmm
         return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))

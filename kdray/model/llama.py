@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
             out = prefill_attention(q, k, v, batch.cu_q, batch.q_lens, self.scale)  # [T, Hl, D]
         else:
             out = gqa_tree_attention(q, cache, batch.block_table, batch.prefix_lens, batch.cu_q, batch.tree_mask,
-                                     self.scale)  # [T, Hl, D]
+                                     self.scale, longest=max(batch.q_lens))  # [T, Hl, D]
         return self.o_proj(out.reshape(T, self.heads * D))
 
     def load(self, reader: CheckpointReader, prefix: str):
