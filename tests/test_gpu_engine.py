@@ -6,11 +6,12 @@ import warnings
 
 import pytest
 import torch
+from test_scheduler import staggered
 
+import kdray.engine.runner as runner_module
 from kdray import LLM, SamplingParams
 from kdray.config import K2Config
 from kdray.engine.cuda_graphs import GraphedFn
-from kdray.engine.runner import ModelRunner
 from kdray.engine.step import STAGES
 from kdray.kernels.tree_build import tree_build
 from kdray.model.batch import ForwardBatch
@@ -253,17 +254,12 @@ def test_prompt_chunks_riding_in_graphed_steps_equal_the_cpu_reference(monkeypat
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     cpu = LLM(model="k2-tiny", device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
     rows = []
-    riding_rows = ModelRunner.riding_rows
-    monkeypatch.setattr(ModelRunner, "riding_rows", lambda self, *a: rows.append(n := riding_rows(self, *a)) or n)
+    riding_rows = runner_module.riding_rows
+    monkeypatch.setattr(runner_module, "riding_rows", lambda *a: rows.append(n := riding_rows(*a)) or n)
     engine = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
                  block_size=4, cuda_graphs=True, prefill_chunk=16).engine
     rows.clear()  # the warm-up's
-    done = {}
-    for i in range(96):  # a request every 6 steps: its chunks are the only ones in their steps
-        if i % 6 == 0 and i // 6 < len(PROMPTS):
-            engine.add_request(f"r{i // 6}", PROMPTS[i // 6], params)
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == tokens(cpu)
+    assert staggered(engine, params, PROMPTS) == tokens(cpu)
     assert {n for n in rows if n is not None} == {16}  # they rode, padded: a 19-token prompt's 3-token chunk too
 
 

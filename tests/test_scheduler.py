@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import kdray.engine.runner as runner_module
 import kdray.model.k2 as k2
 from kdray import LLM, SamplingParams
 from kdray.engine.runner import ModelRunner
@@ -26,6 +27,18 @@ PARAMS = {"greedy": SamplingParams(max_tokens=24, ignore_eos=True),
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+
+
+def staggered(engine, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    """``prompts`` arriving one every 6 steps while the earlier ones decode, so that each one's chunks are alone in
+    their steps -> their outputs' tokens."""
+    done, i = {}, 0
+    while i < 6 * len(prompts) or engine.has_unfinished_requests():
+        if i % 6 == 0 and i // 6 < len(prompts):
+            engine.add_request(f"r{i // 6}", prompts[i // 6], params)
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        i += 1
+    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -77,24 +90,22 @@ def test_prompt_chunks_riding_in_the_running_step_change_nothing(reference, mode
                         rode.append(chunk is not None) or verify(self, tree, inputs, chunk))
     monkeypatch.setattr(ModelRunner, "draft", lambda self, inputs: drafts.append(out := draft(self, inputs)) or out)
 
-    def staggered(params: SamplingParams, riding: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
-        engine, done = LLM(model="k2-tiny", prefill_chunk=chunk, prefix_caching=False, **MODES[mode]).engine, {}
-        if not riding:
-            engine.runner.riding_rows = lambda prefill, step: None
+    def run(params: SamplingParams, riding: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        engine = LLM(model="k2-tiny", prefill_chunk=chunk, prefix_caching=False, **MODES[mode]).engine
         engine.runner.graphs = padded  # no graphs were made: the padded shapes run eagerly
         rode.clear()
         drafts.clear()
-        for i in range(96):  # a request every 6 steps: its chunks are the only ones in their steps
-            if i % 6 == 0 and i // 6 < len(PROMPTS):
-                engine.add_request(f"r{i // 6}", PROMPTS[i // 6], params)
-            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        return [done[f"r{i}"] for i in range(len(PROMPTS))], [d.logits for d in drafts if d is not None]
+        with monkeypatch.context() as m:
+            if not riding:
+                m.setattr(runner_module, "riding_rows", lambda *a: None)
+            outs = staggered(engine, params)
+        return outs, [d.logits for d in drafts if d is not None]
 
     for params in PARAMS:
-        outs, riding_drafts = staggered(PARAMS[params], riding=True)
+        outs, riding_drafts = run(PARAMS[params], riding=True)
         assert outs == reference[(mode, params)]
         assert any(rode) and not all(rode)
-        _, own_pass_drafts = staggered(PARAMS[params], riding=False)
+        _, own_pass_drafts = run(PARAMS[params], riding=False)
         assert len(riding_drafts) == len(own_pass_drafts)
         assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(riding_drafts, own_pass_drafts))
 

@@ -43,7 +43,9 @@ class DrafterWorker(Worker):
         first = self._receive(len(batch.slots), dtype=torch.int64)  # [B]
         self.runner.absorb_prompts(batch, features, first)
 
-    def step(self, batch: StepBatch) -> dict:
+    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict:
+        """Draft and build the trees, then take the shards' commit (and a riding ``chunk``'s context, as
+        :meth:`prefill` takes a chunk's)."""
         r = self.runner
         tree, masses, timer = r.propose_step(batch)
         self.link.broadcast(tree, self.link.rank)
@@ -52,6 +54,8 @@ class DrafterWorker(Worker):
         features = self._receive(rows, path, self.width, dtype=self.head.model.dtype)  # [Bp, 1+L, F]
         commit = r.timer()  # starts after the receives on the stream: the shards' work is not counted
         r.absorb_step(batch, packed, features)
+        if chunk is not None:
+            self.prefill(chunk)
         commit.end("commit")
         return {"seconds": add_seconds(timer.seconds, commit.seconds),
                 "masses": masses[:len(batch.slots)].tolist() if masses is not None else None}

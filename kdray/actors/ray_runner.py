@@ -27,6 +27,7 @@ from kdray.actors.shard import ShardWorker
 from kdray.actors.worker import LoadReport, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
+from kdray.engine.runner import riding_rows
 from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds, first_tokens
 from kdray.model.loader import check_parallel, resolve_model
 from kdray.model.presets import PRESETS
@@ -295,8 +296,12 @@ class RayRunner:
         return lambda: guarded(lambda: actors.wait(replies))
 
     def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
-        """One engine step's prompt chunks (a prefill plan) and its speculative step (a step plan), each sent when
-        given: the shards run chunks in a pass of their own."""
+        """One engine step's prompt chunks and its speculative step -> their results on the way (None for the part
+        not given): a lone chunk that may ride (:func:`~kdray.engine.runner.riding_rows`) goes in the step plan, to
+        run inside the shards' verify pass, else a prefill plan goes first."""
+        rows = riding_rows(self.layout, prefill, step, self.layout.cuda_graphs) if prefill and step else None
+        if rows is not None:
+            return self._step(step, prefill, rows)
         return (self.prefill(prefill) if prefill is not None else None), (self.step(step) if step is not None else None)
 
     def prefill(self, batch: PrefillBatch) -> Pending[StepResult]:
@@ -310,16 +315,34 @@ class RayRunner:
 
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """One plan to every actor; the replies are read when the engine asks (after it launched the next step)."""
+        return self._step(batch)[1]
+
+    def _step(self, batch: StepBatch, prefill: PrefillBatch | None = None, rows: int = 0
+              ) -> tuple[Pending | None, Pending[StepResult]]:
+        """:meth:`step`, with ``prefill``'s lone chunk riding in it (padded to ``rows``) -> (the chunk's result or
+        None, the step's), both read from the one plan's replies."""
         drafter = ("drafter",) if self.args.drafter is not None else ()
-        wait = self._send({"op": "step", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages},
-                          ("shard 0", *drafter))
+        plan = {"op": "step", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages}
+        if prefill is not None:
+            plan.update(chunk=prefill_plan(prefill), rows=rows)
+        wait, replies = self._send(plan, ("shard 0", *drafter)), []
+
+        def replied() -> list[dict]:
+            if not replies:
+                replies.extend(wait())
+            return replies
 
         def result() -> StepResult:
-            shard, *draft = wait()
+            shard, *draft = replied()
             return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)),
                               draft[0]["masses"] if draft else None, shard["logprobs"])
 
-        return Pending(result)
+        def first() -> StepResult:
+            shard = replied()[0]
+            return first_tokens(shard["first"], *(shard["first_logprobs"] or ()),
+                                scored=[len(s) for s in prefill.scored])
+
+        return (Pending(first) if prefill is not None else None), Pending(result)
 
     def noop(self, batch: StepBatch, tau: int) -> list[list[int]]:
         """A step-shaped plan with no model work (the control-path benchmark): its round trip."""

@@ -51,9 +51,10 @@ class ShardWorker(Worker):
         return {"tokens": done.first.tolist(), "logprobs": None if done.logprobs is None else
                 [t.tolist() for t in done.logprobs]}
 
-    def step(self, batch: StepBatch) -> dict | None:
-        """Take the drafter's trees (the root alone for AR), verify, accept, commit; shard 0 sends the results and
-        the accepted paths' context features back to the drafter."""
+    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict | None:
+        """Take the drafter's trees (the root alone for AR), verify (with a riding prompt ``chunk``), accept, commit;
+        shard 0 sends the results and the accepted paths' context features back to the drafter, then the chunk's
+        features and first token."""
         r, seconds = self.runner, {}
         if self.link is None:  # AR: the root alone, built here
             tree, _, timer = r.propose_step(batch)
@@ -62,11 +63,17 @@ class ShardWorker(Worker):
             tree = torch.empty(r.padded(len(batch.slots)), packed_width(batch.nodes), dtype=torch.int32,
                                device=self.device)  # [Bp, packed]
             self.link.broadcast(tree, self.drafter_rank)
-        packed, features, logprobs, timer = r.settle_step(batch, tree)
+        packed, features, logprobs, timer, started = r.settle_step(batch, tree, chunk, rows)
         self._to_drafter(packed, features)
+        if started is not None:
+            self._to_drafter(started.features, started.first)
         if not self.reports_tokens:
             return None
         n = len(batch.slots)
         tokens = unpack_tokens(packed[:n].tolist())
-        return {"tokens": tokens, "seconds": add_seconds(seconds, timer.seconds),
-                "logprobs": None if logprobs is None else unpack_logprobs(*(t[:n].tolist() for t in logprobs), tokens)}
+        reply = {"tokens": tokens, "seconds": add_seconds(seconds, timer.seconds),
+                 "logprobs": None if logprobs is None else unpack_logprobs(*(t[:n].tolist() for t in logprobs), tokens)}
+        if started is not None:
+            reply["first"] = started.first.tolist()
+            reply["first_logprobs"] = None if started.logprobs is None else [t.tolist() for t in started.logprobs]
+        return reply

@@ -7,12 +7,13 @@ A step plan (msgpack) is ``{"op", ...}``:
   ``starts``, ``pages``, ``sampling`` = each request's ``SamplingParams`` fields as a dict, ``seeds``, ``last``,
   ``roots``, ``prompt_lens``, ``bans``, ``histories``, ``scored``);
 - ``step``: the ``slots``, ``nodes`` and grown ``pages`` of a :class:`~kdray.engine.step.StepBatch` (each actor
-  keeps every slot's state);
+  keeps every slot's state), and where a lone prompt chunk rides in its verify pass, that chunk's ``prefill`` plan as
+  ``chunk`` and its padded ``rows``;
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
 Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}`` (the first tokens', then the scored prompt tokens'),
-``step`` with ``{"tokens", "seconds", "logprobs"}``; the drafter answers ``step`` with ``{"seconds", "masses"}`` (its
+``step`` with ``{"tokens", "seconds", "logprobs"}`` and, with a riding chunk, its ``{"first", "first_logprobs"}``; the drafter answers ``step`` with ``{"seconds", "masses"}`` (its
 stages, and its trees' masses for ``budget="auto"``); other actors answer nothing unless they fail
 (``{"error": traceback}``). The loop ends when the engine closes the channel.
 """
@@ -110,9 +111,9 @@ class Worker(ABC):
         """This actor's part of a prefill; shard 0 returns the first tokens."""
 
     @abstractmethod
-    def step(self, batch: StepBatch) -> dict | None:
-        """This actor's part of one speculative step; shard 0 returns the tokens, shard 0 and the drafter their
-        stage times."""
+    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict | None:
+        """This actor's part of one speculative step (with ``chunk`` riding in its verify pass, padded to ``rows``);
+        shard 0 returns the tokens, shard 0 and the drafter their stage times."""
 
     def run(self, address: tuple[str, int] | str) -> None:
         """The step loop: this actor's one long-running call, whose ``ObjectRef`` is its liveness sentinel.
@@ -140,7 +141,9 @@ class Worker(ABC):
         if op == "prefill":
             return self.prefill(prefill_batch(plan))
         if op == "step":
-            return self.step(StepBatch(plan["slots"], plan["nodes"], {int(k): v for k, v in plan["pages"].items()}))
+            chunk = prefill_batch(plan["chunk"]) if plan.get("chunk") else None
+            return self.step(StepBatch(plan["slots"], plan["nodes"], {int(k): v for k, v in plan["pages"].items()}),
+                             chunk, plan.get("rows", 0))
         if op == "noop":
             return {"tokens": [[7] * plan["tau"] for _ in plan["slots"]], "seconds": {}} if self.reports_tokens \
                 else None

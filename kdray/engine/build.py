@@ -8,7 +8,7 @@ from kdray.engine.args import EngineArgs
 from kdray.engine.engine import Engine
 from kdray.engine.kv_pages import PagePool
 from kdray.engine.layout import EngineLayout, ModelFacts, kv_pages_that_fit
-from kdray.engine.runner import BUCKETS, ModelRunner
+from kdray.engine.runner import BUCKETS, ModelRunner, riding_buckets
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.request import SamplingParams
 from kdray.engine.step import PrefillBatch, StepBatch
@@ -98,11 +98,11 @@ def warm_prefill(runner, layout: EngineLayout):
         runner.prefill(scratch_prompt(layout, size, start)).result()
 
 
-def warm_riding(runner: ModelRunner, layout: EngineLayout):
+def warm_riding(runner, layout: EngineLayout):
     """With a fixed budget, the graphs of steps that a lone prompt chunk rides in, captured for every batch bucket
     and every padded chunk size up to ``layout.step_chunk``'s (the scratch slot's, as :func:`warm_steps`)."""
     for b in [b for b in BUCKETS if b <= layout.num_slots]:
-        for size in runner.riding_buckets():
+        for size in riding_buckets(layout):
             for pending in runner.launch(scratch_prompt(layout, size, 0), StepBatch([layout.num_slots] * b,
                                                                                    layout.spec.nodes)):
                 pending.result()
@@ -127,6 +127,5 @@ def warm_up(runner, layout: EngineLayout) -> BudgetPolicy | None:
         return policy
     if layout.cuda_graphs:
         warm_steps(runner, layout, [layout.spec.nodes], repeats=1)
-        if isinstance(runner, ModelRunner):
-            warm_riding(runner, layout)
+        warm_riding(runner, layout)
     return None

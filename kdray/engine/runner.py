@@ -47,6 +47,36 @@ def bucket(n: int, limit: int) -> int:
     return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
 
 
+def prompt_bucket(layout: EngineLayout, T: int, starts: list[int]) -> int | None:
+    """The prompt bucket a lone chunk of ``T`` tokens (after ``starts[0]`` cached ones) is padded to under graphs, or
+    None when it cannot be: several chunks, over the largest bucket, or padded past the block table's last position."""
+    size = next((n for n in PROMPT_BUCKETS if n >= T), None)
+    limit = layout.max_pages_per_seq * layout.page_size
+    return None if size is None or len(starts) != 1 or starts[0] + size > limit else size
+
+
+def riding_rows(layout: EngineLayout, prefill: PrefillBatch, step: StepBatch, graphs: bool) -> int | None:
+    """The rows a prefill's chunk runs at inside ``step``'s verify pass (its tokens, padded to a prompt bucket under
+    CUDA ``graphs``), or None where it runs in a pass of its own: several chunks, more tokens than
+    ``layout.step_chunk``, prompt tokens to score, grammars (their steps run eagerly), or a padded chunk past the
+    block table. The engine's runner decides (in-process, or for the shards on Ray)."""
+    T = len(prefill.prompts[0])
+    if (len(prefill.slots) != 1 or T > layout.step_chunk or any(prefill.scored)
+            or prefill.grammars is not None or step.grammars is not None):
+        return None
+    return prompt_bucket(layout, T, prefill.starts) if graphs else T
+
+
+def riding_buckets(layout: EngineLayout) -> list[int]:
+    """The padded sizes a riding chunk's step replays from graphs at (none without graphs): what the warm-up
+    captures."""
+    if not layout.cuda_graphs or not layout.step_chunk:
+        return []
+    top = next(n for n in PROMPT_BUCKETS if n >= layout.step_chunk)
+    room = layout.max_pages_per_seq * layout.page_size - layout.page_size
+    return [n for n in PROMPT_BUCKETS if n <= min(top, room)]
+
+
 def chunk_positions(starts: list[int], lens: list[int], device: torch.device) -> torch.Tensor:
     """``[sum(lens)]`` int64 on ``device``: the positions of context chunks of ``lens`` tokens after ``starts``."""
     return device_array(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]), device)
@@ -316,7 +346,7 @@ class ModelRunner:
         positions = chunk_positions(batch.starts, lens, self.device)  # [T]
         idx = device_array(batch.slots, self.device)  # [B]
         scored = any(batch.scored)
-        graphed = not scored and graphs is not None and self._prompt_bucket(len(ids), batch.starts) is not None
+        graphed = not scored and graphs is not None and prompt_bucket(self.layout, len(ids), batch.starts) is not None
         # a chunk after cached tokens attends to them: the verify form with a causal mask over the chunk (a graphed
         # chunk has its bucket's own)
         table = self.slots.block_table[idx]
@@ -369,14 +399,6 @@ class ModelRunner:
         head = self.target.model.logits
         return head(hidden[last]), features, head_logprobs(head, hidden[rows], tokens, MAX_LOGPROBS)
 
-    def _prompt_bucket(self, T: int, starts: list[int]) -> int | None:
-        """The prompt bucket a lone chunk of ``T`` tokens (after ``starts[0]`` cached ones) is padded to under graphs,
-        or None when it cannot be: several chunks, over the largest bucket, or padded past the block table's last
-        position."""
-        size = next((n for n in PROMPT_BUCKETS if n >= T), None)
-        limit = self.layout.max_pages_per_seq * self.page_size
-        return None if size is None or len(starts) != 1 or starts[0] + size > limit else size
-
     def forward_prompts(self, fb: ForwardBatch, starts: list[int], last: torch.Tensor, graphs: GraphedFn | None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over the chunks of ``fb`` (starting after ``starts`` cached tokens) -> (the logits at rows
@@ -386,7 +408,7 @@ class ModelRunner:
         chunk's, so causal attention keeps them from the chunk's tokens, and their KV goes to the scratch page
         (their positions stay inside the block table, which the verify form reads)."""
         T = fb.input_ids.shape[0]
-        size = self._prompt_bucket(T, starts) if graphs is not None else None
+        size = prompt_bucket(self.layout, T, starts) if graphs is not None else None
         if size is None:
             hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
             return self.target.model.logits(hidden[last]), features
@@ -447,30 +469,12 @@ class ModelRunner:
 
     def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
         """One engine step's work: its prompt chunks and its speculative step -> their results on the way to the host
-        (None for the part not given). A lone chunk that may ride (:meth:`riding_rows`) runs inside the step's verify
+        (None for the part not given). A lone chunk that may ride (:func:`riding_rows`) runs inside the step's verify
         pass, else the chunks run in a prefill pass first."""
-        if prefill is not None and step is not None and (rows := self.riding_rows(prefill, step)) is not None:
+        rows = riding_rows(self.layout, prefill, step, self.graphs) if prefill and step else None
+        if rows is not None:
             return self._step(step, prefill, rows)
         return (self.prefill(prefill) if prefill is not None else None), (self.step(step) if step is not None else None)
-
-    def riding_rows(self, prefill: PrefillBatch, step: StepBatch) -> int | None:
-        """The rows a prefill's chunk runs at inside ``step``'s verify pass (its tokens, padded to a prompt bucket
-        under CUDA graphs), or None where it runs in a pass of its own: several chunks, more tokens than
-        ``layout.step_chunk``, prompt tokens to score, grammars (their steps run eagerly), or a padded chunk past the
-        block table."""
-        T = len(prefill.prompts[0])
-        if (len(prefill.slots) != 1 or T > self.layout.step_chunk or any(prefill.scored)
-                or prefill.grammars is not None or step.grammars is not None):
-            return None
-        return self._prompt_bucket(T, prefill.starts) if self.graphs else T
-
-    def riding_buckets(self) -> list[int]:
-        """The padded sizes a riding chunk's step replays from graphs at (none without graphs): what the warm-up
-        captures."""
-        if not self.graphs or not self.layout.step_chunk:
-            return []
-        top = next(n for n in PROMPT_BUCKETS if n >= self.layout.step_chunk)
-        return [n for n in self.prompt_buckets() if n <= top]
 
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """All five stages in this process (one CUDA graph per batch-size bucket and tree width on GPUs), the
@@ -484,10 +488,7 @@ class ModelRunner:
         chosen after the pass -> (the chunk's result or None, the step's)."""
         self.slots.set_pages(batch.pages)
         start = self._mark()
-        chunk = None
-        if prefill is not None:
-            self.slots.admit(prefill)
-            chunk = self._riding_chunk(prefill, rows)
+        chunk = self._riding_chunk(prefill, rows) if prefill is not None else None
         idx, options = self.slot_index(batch.slots), dict(greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
                                                           extras=self.slots.extras(batch.slots))
         if batch.grammars is None:
@@ -498,9 +499,7 @@ class ModelRunner:
             packed, masses, chunk_logits, *logprobs = self._step_fn(timer, idx, **options, grammars=batch.grammars)
         first = None
         if chunk is not None:
-            slot = device_array(prefill.slots, self.device)  # [1]
-            first = self._first_tokens_to_host(prefill, *self.start_slots(prefill, slot, chunk_logits,
-                                                                          chunk.positions[chunk.last]))
+            first = self._first_tokens_to_host(prefill, *self._start_riding(prefill, chunk, chunk_logits))
         n = len(batch.slots)
         values = [t[:n] for t in (packed, masses, *logprobs) if t is not None]
 
@@ -514,7 +513,9 @@ class ModelRunner:
         return first, self._to_host(values, result, start)
 
     def _riding_chunk(self, prefill: PrefillBatch, rows: int) -> ChunkRows:
-        """A prefill's lone chunk for a step's verify pass, padded to ``rows``."""
+        """A prefill's lone chunk for a step's verify pass, padded to ``rows`` (its slot's pages and settings
+        recorded)."""
+        self.slots.admit(prefill)
         ids = device_array(prefill.prompts[0], self.device)  # [T]
         T = ids.shape[0]
         positions = chunk_positions(prefill.starts, [T], self.device)  # [T]
@@ -522,6 +523,13 @@ class ModelRunner:
         fb = ForwardBatch.build(ids, positions, [T], prefill.starts, table, self.page_size, None)
         last = torch.full((1,), T - 1, dtype=torch.int64, device=self.device)  # [1]
         return ChunkRows(*self._padded_chunk(fb, last, rows, causal=True))
+
+    def _start_riding(self, prefill: PrefillBatch, chunk: ChunkRows, logits: torch.Tensor
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """After a step that ``prefill``'s chunk rode in: its next token from its ``logits [1, V]``
+        (:meth:`start_slots`)."""
+        slot = device_array(prefill.slots, self.device)  # [1]
+        return self.start_slots(prefill, slot, logits, chunk.positions[chunk.last])
 
     def propose_step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, StageTimer]:
         """The drafter actor's half: draft and build -> (the trees packed for the link ``[Bp, packed_width]``, the
@@ -531,16 +539,26 @@ class ModelRunner:
                                             nodes=batch.nodes)
         return packed, masses, timer
 
-    def settle_step(self, batch: StepBatch, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                          tuple | None, StageTimer]:
+    def settle_step(self, batch: StepBatch, tree: torch.Tensor, prefill: PrefillBatch | None = None, rows: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None, StageTimer, Prefilled | None]:
         """A shard's half: verify, accept and commit the packed trees, advance the slots -> (the committed
         result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the emitted
-        tokens' log-probabilities (values, ids) ``[Bp, 1+L, 1+K]`` where asked, else None; the timer)."""
+        tokens' log-probabilities (values, ids) ``[Bp, 1+L, 1+K]`` where asked, else None; the timer; the riding
+        chunk's result or None). ``prefill``: a lone chunk riding in the verify pass, padded to ``rows``
+        (:func:`riding_rows`)."""
         self.slots.set_pages(batch.pages)
-        (packed, features, *logprobs), timer = self._run(
+        chunk = self._riding_chunk(prefill, rows) if prefill is not None else None
+        (packed, features, chunk_logits, chunk_features, *logprobs), timer = self._run(
             self._settle_fn, self._settle_graphs, self.slot_index(batch.slots), tree,
-            greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes, extras=self.slots.extras(batch.slots))
-        return packed, features, tuple(logprobs) or None, timer
+            *(chunk.tensors() if chunk else ()), greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
+            extras=self.slots.extras(batch.slots))
+        started = None
+        if chunk is not None:
+            T = len(prefill.prompts[0])
+            first, first_logprobs = self._start_riding(prefill, chunk, chunk_logits)
+            started = Prefilled(first, None if chunk_features is None else chunk_features[:T], chunk.positions[:T],
+                                chunk.slot_mapping[:T], first_logprobs)
+        return packed, features, tuple(logprobs) or None, timer, started
 
     def absorb_step(self, batch: StepBatch, packed: torch.Tensor, features: torch.Tensor):
         """The drafter actor's commit: the accepted paths' features into its cache, its slots advanced as the
@@ -590,13 +608,17 @@ class ModelRunner:
         tree, masses = self.propose(self.slots.inputs(idx, True), timer, nodes)
         return tree.pack(), masses
 
-    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, greedy: bool, nodes: int,
-                   extras: tuple[str, ...]):
+    def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, *chunk: torch.Tensor, greedy: bool,
+                   nodes: int, extras: tuple[str, ...]):
+        """A shard's step -> (packed result, path features, the riding chunk's logits ``[1, V]`` and features
+        ``[C, F]`` or None, the log-probabilities); ``chunk`` as :meth:`_step_fn` takes it."""
         inputs = self.slots.inputs(idx, greedy, extras)
-        committed, _ = self.settle(DraftTree.unpack(tree, nodes), inputs, timer)
+        committed, verified = self.settle(DraftTree.unpack(tree, nodes), inputs, timer,
+                                          ChunkRows(*chunk) if chunk else None)
         self._advance(idx, committed, extras)
         timer.end("commit")
-        return committed.packed(), committed.features, *(committed.logprobs or ())
+        return (committed.packed(), committed.features, verified.chunk_logits, verified.chunk_features,
+                *(committed.logprobs or ()))
 
     def _advance(self, idx: torch.Tensor, committed: Committed, extras: tuple[str, ...]):
         self.slots.advance(idx, committed.length, committed.next_token)
