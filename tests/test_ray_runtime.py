@@ -21,13 +21,13 @@ import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
 from test_scheduler import staggered
 
+import kdray.engine.runner as runner_module
 from kdray import LLM, SamplingParams, StructuredOutputsParams
 from kdray.actors.communicator import CommunicatorTimeout, GlooGroup
 from kdray.config import K2Config
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
 
 ray = pytest.importorskip("ray")
-ray_runner = pytest.importorskip("kdray.actors.ray_runner")
 
 GEN = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(2, 1000, (n,), generator=GEN).tolist() for n in (3, 17, 9, 30)]
@@ -148,8 +148,8 @@ def test_prompt_chunks_riding_on_ray_equal_in_process(cluster, monkeypatch):
     step plan (the shards' verify pass; its features and first token then reach the drafter's actor, whose trees
     root at that token) and the outputs are the in-process run's."""
     rows = []
-    riding_rows = ray_runner.riding_rows
-    monkeypatch.setattr(ray_runner, "riding_rows", lambda *a: rows.append(n := riding_rows(*a)) or n)
+    riding_rows = runner_module.riding_rows
+    monkeypatch.setattr(runner_module, "riding_rows", lambda *a: rows.append(n := riding_rows(*a)) or n)
     with LLM(model="k2-tiny", **SPEC, tp=2, distributed="ray", prefill_chunk=8) as llm:
         assert staggered(llm.engine, SamplingParams(max_tokens=24, ignore_eos=True), PROMPTS) == \
             reference("k2-tiny", PROMPTS, 24)

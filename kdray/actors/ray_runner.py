@@ -27,7 +27,7 @@ from kdray.actors.shard import ShardWorker
 from kdray.actors.worker import LoadReport, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
-from kdray.engine.runner import riding_rows
+from kdray.engine.runner import launch
 from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds, first_tokens
 from kdray.model.loader import check_parallel, resolve_model
 from kdray.model.presets import PRESETS
@@ -253,6 +253,12 @@ class RayModels:
         return RayRunner(self.args, layout, self.actors)
 
 
+def first_tokens_result(reply: dict, batch: PrefillBatch) -> StepResult:
+    """Shard 0's reply for ``batch``'s chunks (:func:`~kdray.actors.shard.first_tokens_reply`) as the engine takes
+    it."""
+    return first_tokens(reply["tokens"], *(reply["logprobs"] or ()), scored=[len(s) for s in batch.scored])
+
+
 class RayRunner:
     """What the engine asks of a runner (``prefill``, ``step``), done as step plans on :class:`EngineActors`.
 
@@ -296,29 +302,21 @@ class RayRunner:
         return lambda: guarded(lambda: actors.wait(replies))
 
     def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
-        """One engine step's prompt chunks and its speculative step -> their results on the way (None for the part
-        not given): a lone chunk that may ride (:func:`~kdray.engine.runner.riding_rows`) goes in the step plan, to
-        run inside the shards' verify pass, else a prefill plan goes first."""
-        rows = riding_rows(self.layout, prefill, step, self.layout.cuda_graphs) if prefill and step else None
-        if rows is not None:
-            return self._step(step, prefill, rows)
-        return (self.prefill(prefill) if prefill is not None else None), (self.step(step) if step is not None else None)
+        """:func:`~kdray.engine.runner.launch` on the actors: a riding chunk goes in the step plan, to run inside the
+        shards' verify pass, else a prefill plan goes first."""
+        return launch(self, prefill, step, self.layout.cuda_graphs)
 
     def prefill(self, batch: PrefillBatch) -> Pending[StepResult]:
         wait = self._send(prefill_plan(batch), ("shard 0",))
 
-        def result() -> StepResult:
-            reply = wait()[0]
-            return first_tokens(reply["tokens"], *(reply["logprobs"] or ()), scored=[len(s) for s in batch.scored])
-
-        return Pending(result)
+        return Pending(lambda: first_tokens_result(wait()[0], batch))
 
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """One plan to every actor; the replies are read when the engine asks (after it launched the next step)."""
-        return self._step(batch)[1]
+        return self.run_step(batch)[1]
 
-    def _step(self, batch: StepBatch, prefill: PrefillBatch | None = None, rows: int = 0
-              ) -> tuple[Pending | None, Pending[StepResult]]:
+    def run_step(self, batch: StepBatch, prefill: PrefillBatch | None = None, rows: int = 0
+                 ) -> tuple[Pending | None, Pending[StepResult]]:
         """:meth:`step`, with ``prefill``'s lone chunk riding in it (padded to ``rows``) -> (the chunk's result or
         None, the step's), both read from the one plan's replies."""
         drafter = ("drafter",) if self.args.drafter is not None else ()
@@ -337,12 +335,8 @@ class RayRunner:
             return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)),
                               draft[0]["masses"] if draft else None, shard["logprobs"])
 
-        def first() -> StepResult:
-            shard = replied()[0]
-            return first_tokens(shard["first"], *(shard["first_logprobs"] or ()),
-                                scored=[len(s) for s in prefill.scored])
-
-        return (Pending(first) if prefill is not None else None), Pending(result)
+        first = Pending(lambda: first_tokens_result(replied()[0]["first"], prefill)) if prefill is not None else None
+        return first, Pending(result)
 
     def noop(self, batch: StepBatch, tau: int) -> list[list[int]]:
         """A step-shaped plan with no model work (the control-path benchmark): its round trip."""

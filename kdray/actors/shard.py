@@ -7,10 +7,17 @@ import torch
 
 from kdray.actors.worker import LoadReport, Worker
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
-from kdray.engine.runner import ModelRunner
+from kdray.engine.runner import ModelRunner, Prefilled
 from kdray.engine.step import PrefillBatch, StepBatch, add_seconds, unpack_logprobs, unpack_tokens
 from kdray.kernels.tree_build import packed_width
 from kdray.model.loader import load_target, parse_dtype
+
+
+def first_tokens_reply(done: Prefilled) -> dict:
+    """Shard 0's reply for prefilled chunks: their first tokens and log-probabilities (the scored prompt tokens' after
+    them), read back by :func:`~kdray.engine.step.first_tokens`."""
+    return {"tokens": done.first.tolist(), "logprobs": None if done.logprobs is None else
+            [t.tolist() for t in done.logprobs]}
 
 
 class ShardWorker(Worker):
@@ -46,10 +53,7 @@ class ShardWorker(Worker):
     def prefill(self, batch: PrefillBatch) -> dict | None:
         done = self.runner.run_prompts(batch)
         self._to_drafter(done.features, done.first)
-        if not self.reports_tokens:
-            return None
-        return {"tokens": done.first.tolist(), "logprobs": None if done.logprobs is None else
-                [t.tolist() for t in done.logprobs]}
+        return first_tokens_reply(done) if self.reports_tokens else None
 
     def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict | None:
         """Take the drafter's trees (the root alone for AR), verify (with a riding prompt ``chunk``), accept, commit;
@@ -74,6 +78,5 @@ class ShardWorker(Worker):
         reply = {"tokens": tokens, "seconds": add_seconds(seconds, timer.seconds),
                  "logprobs": None if logprobs is None else unpack_logprobs(*(t[:n].tolist() for t in logprobs), tokens)}
         if started is not None:
-            reply["first"] = started.first.tolist()
-            reply["first_logprobs"] = None if started.logprobs is None else [t.tolist() for t in started.logprobs]
+            reply["first"] = first_tokens_reply(started)
         return reply

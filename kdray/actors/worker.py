@@ -13,8 +13,9 @@ A step plan (msgpack) is ``{"op", ...}``:
   ``tau`` tokens per slot.
 
 Shard 0 answers ``prefill`` with ``{"tokens", "logprobs"}`` (the first tokens', then the scored prompt tokens'),
-``step`` with ``{"tokens", "seconds", "logprobs"}`` and, with a riding chunk, its ``{"first", "first_logprobs"}``; the drafter answers ``step`` with ``{"seconds", "masses"}`` (its
-stages, and its trees' masses for ``budget="auto"``); other actors answer nothing unless they fail
+``step`` with ``{"tokens", "seconds", "logprobs"}`` and, with a riding chunk, its ``prefill`` answer as ``first``; the
+drafter answers ``step`` with ``{"seconds", "masses"}`` (its stages, and its trees' masses for ``budget="auto"``);
+other actors answer nothing unless they fail
 (``{"error": traceback}``). The loop ends when the engine closes the channel.
 """
 from __future__ import annotations

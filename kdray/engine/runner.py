@@ -67,14 +67,31 @@ def riding_rows(layout: EngineLayout, prefill: PrefillBatch, step: StepBatch, gr
     return prompt_bucket(layout, T, prefill.starts) if graphs else T
 
 
+def fitting_buckets(layout: EngineLayout) -> list[int]:
+    """The prompt buckets that fit a sequence's block table after a cached page."""
+    room = layout.max_pages_per_seq * layout.page_size - layout.page_size
+    return [n for n in PROMPT_BUCKETS if n <= room]
+
+
 def riding_buckets(layout: EngineLayout) -> list[int]:
     """The padded sizes a riding chunk's step replays from graphs at (none without graphs): what the warm-up
     captures."""
     if not layout.cuda_graphs or not layout.step_chunk:
         return []
     top = next(n for n in PROMPT_BUCKETS if n >= layout.step_chunk)
-    room = layout.max_pages_per_seq * layout.page_size - layout.page_size
-    return [n for n in PROMPT_BUCKETS if n <= min(top, room)]
+    return [n for n in fitting_buckets(layout) if n <= top]
+
+
+def launch(runner, prefill: PrefillBatch | None, step: StepBatch | None, graphs: bool
+           ) -> tuple[Pending | None, Pending | None]:
+    """One engine step's work on ``runner`` (a :class:`ModelRunner`, or the actors' ``RayRunner``): its prompt chunks
+    and its speculative step -> their results on the way to the host (None for the part not given). A lone chunk that
+    may ride (:func:`riding_rows`, padded under CUDA ``graphs``) runs inside the step's verify pass
+    (``runner.run_step``), else the chunks run in a prefill pass first."""
+    rows = riding_rows(runner.layout, prefill, step, graphs) if prefill and step else None
+    if rows is not None:
+        return runner.run_step(step, prefill, rows)
+    return (runner.prefill(prefill) if prefill is not None else None), (runner.step(step) if step is not None else None)
 
 
 def chunk_positions(starts: list[int], lens: list[int], device: torch.device) -> torch.Tensor:
@@ -301,7 +318,6 @@ class ModelRunner:
         self._settle_graphs = graphed(self._settle_fn)
         self._prompt_graphs = GraphedFn(self._prompt_fn, lambda: lambda: None) if self.graphs and target_kv else None
         # [2] int32 per padded size: the one prompt's row offsets
-        self._prompt_cu = {n: torch.tensor([0, n], dtype=torch.int32, device=self.device) for n in PROMPT_BUCKETS}
         self._prompt_masks: dict[int, torch.Tensor] = {}  # padded size -> causal mask [1, n, ceil(n/32)], when used
 
     def shutdown(self):
@@ -310,10 +326,9 @@ class ModelRunner:
         self._prompt_graphs = None
 
     def prompt_buckets(self) -> list[int]:
-        """The padded sizes a lone prompt chunk's forward replays from graphs at (none without graphs) that fit a
-        sequence's block table after a cached page: what the warm-up captures."""
-        room = self.layout.max_pages_per_seq * self.page_size - self.page_size
-        return [n for n in PROMPT_BUCKETS if n <= room] if self._prompt_graphs is not None else []
+        """The padded sizes a lone prompt chunk's forward replays from graphs at (none without graphs): what the
+        warm-up captures."""
+        return fitting_buckets(self.layout) if self._prompt_graphs is not None else []
 
     def timer(self) -> StageTimer:
         return StageTimer(cuda=self.device.type == "cuda")
@@ -437,9 +452,7 @@ class ModelRunner:
         """One padded chunk's forward (what :meth:`forward_prompts` replays) -> (logits ``[1, V]``, features). With a
         drafter in this process the features go into its context here, inside the graph (the padding's into the
         scratch page), and None is returned for them."""
-        size = ids.shape[0]
-        fb = ForwardBatch(input_ids=ids, positions=positions, cu_q=self._prompt_cu[size], q_lens=[size],
-                          prefix_lens=prefix_lens, block_table=block_table, slot_mapping=slot_mapping, tree_mask=mask)
+        fb = ChunkRows(ids, positions, prefix_lens, block_table, slot_mapping, last, mask).forward_batch()
         hidden, features = self.target.model(fb, self.kv, self.layout.target_layer_ids)
         if self.drafter is not None and features is not None:
             self.add_context(features, positions, slot_mapping)
@@ -468,22 +481,17 @@ class ModelRunner:
     # ---- one speculative step
 
     def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
-        """One engine step's work: its prompt chunks and its speculative step -> their results on the way to the host
-        (None for the part not given). A lone chunk that may ride (:func:`riding_rows`) runs inside the step's verify
-        pass, else the chunks run in a prefill pass first."""
-        rows = riding_rows(self.layout, prefill, step, self.graphs) if prefill and step else None
-        if rows is not None:
-            return self._step(step, prefill, rows)
-        return (self.prefill(prefill) if prefill is not None else None), (self.step(step) if step is not None else None)
+        """:func:`launch` in this process."""
+        return launch(self, prefill, step, self.graphs)
 
     def step(self, batch: StepBatch) -> Pending[StepResult]:
         """All five stages in this process (one CUDA graph per batch-size bucket and tree width on GPUs), the
         device state advanced; the tokens (and, with ``budget="auto"``, the trees' masses) on their way to the host."""
-        return self._step(batch)[1]
+        return self.run_step(batch)[1]
 
     @torch.no_grad()
-    def _step(self, batch: StepBatch, prefill: PrefillBatch | None = None, rows: int = 0
-              ) -> tuple[Pending | None, Pending[StepResult]]:
+    def run_step(self, batch: StepBatch, prefill: PrefillBatch | None = None, rows: int = 0
+                 ) -> tuple[Pending | None, Pending[StepResult]]:
         """:meth:`step`, with ``prefill``'s lone chunk (padded to ``rows``) riding in the verify pass: its first token
         chosen after the pass -> (the chunk's result or None, the step's)."""
         self.slots.set_pages(batch.pages)

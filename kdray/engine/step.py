@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from typing import Generic, TypeVar
 
@@ -83,9 +83,10 @@ class StepInputs:
 
 @dataclass
 class ChunkRows:
-    """A lone prompt chunk that rides in a step's verify pass, after the trees' rows: its tokens after ``prefix_len``
-    cached ones, causal among themselves, padded to a prompt bucket under CUDA graphs (padding rows come last, so the
-    chunk's tokens never see them, and write their KV to the scratch page)."""
+    """A lone prompt chunk's pass inputs: its tokens after ``prefix_len`` cached ones, causal among themselves, padded
+    to a prompt bucket under CUDA graphs (padding rows come last, so the chunk's tokens never see them, and write their
+    KV to the scratch page). It runs alone (a graphed prefill) or rides in a step's verify pass, after the trees'
+    rows."""
 
     ids: torch.Tensor  # [C] int64
     positions: torch.Tensor  # [C] int64
@@ -93,13 +94,14 @@ class ChunkRows:
     block_table: torch.Tensor  # [1, max_pages] int32
     slot_mapping: torch.Tensor  # [C] int64
     last: torch.Tensor  # [1] int64: the row of the chunk's last token
-    mask: torch.Tensor  # [1, C, ceil(C/32)] int32: causal
+    mask: torch.Tensor | None = None  # [1, C, ceil(C/32)] int32: causal; None: the prefill form (nothing cached)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The fields in order (a graph's inputs)."""
-        return (self.ids, self.positions, self.prefix_len, self.block_table, self.slot_mapping, self.last, self.mask)
+        return tuple(t for f in fields(self) if (t := getattr(self, f.name)) is not None)
 
     def forward_batch(self) -> ForwardBatch:
+        """The chunk as one sequence of a pass, its row offsets made on the device (no host copy in a graph)."""
         C = self.ids.shape[0]
         cu = torch.arange(0, 2 * C, C, dtype=torch.int32, device=self.ids.device)  # [2]: made on the device
         return ForwardBatch(input_ids=self.ids, positions=self.positions, cu_q=cu, q_lens=[C],
