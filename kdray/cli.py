@@ -21,7 +21,7 @@ from kdray.engine.args import EngineArgs
 from kdray.serve.args import ServeArgs
 
 INGRESS_ENV = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}  # --ingress -> the Ray cluster's env
-BENCHMARKS = {"kernels": "kernels.py", "e2e": "e2e.py", "control": "control_path.py",
+BENCHMARKS = {"kernels": "bench_kernels.py", "e2e": "e2e.py", "control": "control_path.py",
               "serve-load": "serve_load.py", "reliability": "reliability.py", "k2-step": "k2_step.py",
               "k2-prefill": "k2_prefill.py", "drafter-tau": "drafter_tau.py",
               "ttft-engine": "ttft_engine.py"}  # name -> benchmarks/ file

@@ -59,3 +59,13 @@ def test_no_import_cycles_between_kdray_modules():
     for start in sorted(graph):
         if start not in state:
             visit(start, [start])
+
+
+def test_a_benchmark_run_as_a_script_can_import_transformers():
+    """``python benchmarks/x.py`` puts ``benchmarks/`` first on ``sys.path``: no file there may shadow a package
+    that transformers imports (a ``kernels.py`` did: transformers 5 imports the ``kernels`` hub package)."""
+    bench = PACKAGE.parent / "benchmarks"
+    code = (f"import sys; sys.path.insert(0, {str(bench)!r}); "
+            "from transformers import LlamaConfig, LlamaForCausalLM; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -1,9 +1,10 @@
 """GPU kernel benchmark: every kdray CUDA op against the machine's measured ceilings and a torch baseline.
 
-    python benchmarks/kernels.py [--only tree,attention,prefill,moe,linear]
+    python benchmarks/bench_kernels.py [--only tree,attention,prefill,moe,linear]
 
 Prints one Markdown table (time, ratio to the roofline floor, achieved rate, speed-up over the named
-torch baseline, the target) for pasting into benchmarks/RESULTS.md.
+torch baseline, the target) for pasting into benchmarks/RESULTS.md. (Not named ``kernels.py``: run as a script,
+that file would shadow the ``kernels`` package transformers imports, for every benchmark in this folder.)
 """
 from __future__ import annotations
 
