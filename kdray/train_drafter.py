@@ -619,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     next_save = math.floor(progress(trained) * args.checkpoints + 1e-9) + 1  # due at progress next_save / checkpoints
     bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", mininterval=5)
-    while (done := progress(elapsed())) < 1:
+    now = elapsed()  # one reading per step: the end of the schedule is always seen by a checkpoint first
+    while (done := progress(now)) < 1:
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_at(done, args.warmup)
         loss, stats = forward_backward()
@@ -628,16 +629,17 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         step += 1
         bar.update()
-        stop = args.train_seconds is not None and elapsed() - run_start >= args.train_seconds
-        due = progress(elapsed()) >= next_save / args.checkpoints - 1e-9
+        now = elapsed()
+        stop = args.train_seconds is not None and now - run_start >= args.train_seconds
+        due = progress(now) >= next_save / args.checkpoints - 1e-9  # always at the schedule's end
         if step % args.log_every == 0 or due or stop:
-            row = {"step": step, "seconds": round(elapsed(), 2), "lr": opt.param_groups[0]["lr"],
+            row = {"step": step, "seconds": round(now, 2), "lr": opt.param_groups[0]["lr"],
                    "loss": round(loss.item(), 4), "grad_norm": round(float(norm), 3),
                    **{k: round(v.item(), 4) for k, v in stats.items()}}
             log["curve"].append(row)
             bar.set_postfix(loss=row["loss"], tau_block=row["tau_block"])
         if due or stop:
-            trained = elapsed()  # the clock stops for the checkpoint
+            trained = now  # the clock stops for the checkpoint
             next_save = math.floor(progress(trained) * args.checkpoints + 1e-9) + 1
             checkpoint(row, complete=progress(trained) >= 1)
             t_train = time.perf_counter()

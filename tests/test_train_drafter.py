@@ -102,6 +102,28 @@ def test_a_timed_run_spreads_its_schedule_and_checkpoints_over_the_time(tmp_path
     assert curve[-1]["lr"] < 0.05 * curve[peak]["lr"] and peak < len(curve) / 4  # warmed up early, decayed by the end
 
 
+@pytest.mark.parametrize("tick", [0.011, 0.013, 0.017, 0.019])
+def test_the_step_that_ends_a_timed_schedule_is_checkpointed(tmp_path, monkeypatch, tick):
+    """However the clock falls between steps, the run ends with a checkpoint of its last step: a clock read after the
+    step's checkpoint check once ended the loop without one, losing the run's last steps (the drafter exported and the
+    log are those of the checkpoint before). The clock here advances ``tick`` seconds at every reading."""
+    import itertools
+
+    from kdray import train_drafter
+
+    clock = itertools.count()
+    monkeypatch.setattr(train_drafter.time, "perf_counter", lambda: next(clock) * tick)
+    out = tmp_path / "drafter"
+    assert main(["--model", "k2-tiny", "--output", str(out), "--device", "cpu", "--max-chars", "60",
+                 "--num-prompts", "2", "--max-new-tokens", "4", "--layers", "1", "--target-layers", "2",
+                 "--block-size", "8", "--train-seconds", "0.6", "--batch-size", "2", "--anchors", "2",
+                 "--log-every", "100", "--checkpoints", "2", "--eval-prompts", "1", "--eval-tokens", "2",
+                 "--eval-budget", "4"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["complete"] and log["train_seconds"] >= 0.6
+    assert log["evals"][-1]["step"] == log["steps"] == log["curve"][-1]["step"]
+
+
 def test_lr_warms_up_then_decays_to_zero():
     values = [lr_at(i / 100, 0.1) for i in range(100)]
     assert values[0] > 0 and abs(values[10] - 1) < 1e-9 and max(values) <= 1
