@@ -97,15 +97,16 @@ class StageClock:
         return out
 
 
-def tiny_target(vocab: int, hidden: int, layers: int) -> LoadedTarget:
-    """A random Llama (``hidden``, ``layers``, ``vocab``) with SmolLM2's tokenizer, fp32 on the CPU."""
+def tiny_target(vocab: int, hidden: int, layers: int, context: int = 2048) -> LoadedTarget:
+    """A random Llama (``hidden``, ``layers``, ``vocab``, ``context`` positions) with SmolLM2's tokenizer, fp32 on
+    the CPU."""
     import transformers
 
     from kdray.model.gguf import open_gguf, smollm2_path
 
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=hidden // 4, max_position_embeddings=2048, initializer_range=0.1)
+                                   head_dim=hidden // 4, max_position_embeddings=context, initializer_range=0.1)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         transformers.LlamaForCausalLM(cfg).save_pretrained(d)
@@ -195,7 +196,8 @@ def main():
         target, new_tokens = load_target("smollm2-135m", "bfloat16", "cuda"), args.new_tokens or 256
     else:
         torch.set_num_threads(args.threads)
-        target, new_tokens = tiny_target(49152, 64, 2), args.new_tokens or 32
+        new_tokens = args.new_tokens or 32
+        target = tiny_target(49152, 64, 2, max(2048, args.prompt_len + 2 * new_tokens))  # --steady: up to 1.5x new
     clock = StageClock() if args.stages == "on" else None
     rows = []
     for b in args.batch:

@@ -313,6 +313,22 @@ def test_a_runner_failure_empties_the_prefix_cache():
     assert engine.free_pages() == 64
 
 
+def test_prefix_keys_made_page_by_page_equal_those_of_the_whole_context():
+    """The scheduler keys a growing sequence's pages from the first page not keyed yet (no copy of its context per
+    page): the keys, over a prompt and an output crossing many pages, equal the whole context's keyed at once."""
+    engine = make_engine(FakeRunner(), page_size=4, max_model_len=64, prefix_caching=True)
+    prompt = list(range(1, 19))  # 4 full pages and 2 tokens
+    engine.add_request("r", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    seq = engine._seqs["r"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    whole: list = []
+    extend_keys(whole, prompt + seq.output_ids, 4, seq.registered)
+    assert seq.registered >= 11 and seq.keys[:seq.registered] == whole
+    assert seq.tokens_between(16, 21) == [17, 18] + seq.output_ids[:3] and seq.tokens_between(20, 22) == \
+        seq.output_ids[2:4] and seq.tokens_between(3, 5) == [4, 5]
+
+
 def test_eviction_takes_idle_cached_pages_never_held_ones():
     pool = PagePool(4, 2, prefix_caching=True)
     held, idle = pool.allocate(2), pool.allocate(2)

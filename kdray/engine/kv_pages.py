@@ -20,9 +20,12 @@ def chain_key(previous: bytes, page_tokens: Sequence[int]) -> bytes:
 
 
 def extend_keys(keys: list[bytes], tokens: Sequence[int], page_size: int, full: int):
-    """Append to ``keys`` the chain keys of ``tokens``' full pages up to ``full`` pages."""
-    for i in range(len(keys), full):
-        keys.append(chain_key(keys[-1] if keys else b"", tokens[i * page_size:(i + 1) * page_size]))
+    """Append to ``keys`` the chain keys of pages ``len(keys)`` to ``full``: ``tokens`` are the tokens from page
+    ``len(keys)`` on (no copy of the context before them)."""
+    start = len(keys)
+    for i in range(start, full):
+        j = (i - start) * page_size
+        keys.append(chain_key(keys[-1] if keys else b"", tokens[j:j + page_size]))
 
 
 class PagePool:

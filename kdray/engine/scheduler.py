@@ -50,8 +50,9 @@ class Scheduler:
             seq = self.waiting[0]
             context = seq.context_ids
             full = (len(context) - 1) // self.page_size  # the last context token is always run: its logits
-            extend_keys(seq.keys, context, self.page_size, full)
-            looked = 0 if seq.scores_prompt else full  # a prompt to score runs whole: cached pages have no logits
+            # a prompt to score runs whole: cached pages have no logits
+            looked = full if self.pool.prefix_caching and not seq.scores_prompt else 0
+            extend_keys(seq.keys, context[len(seq.keys) * self.page_size:], self.page_size, looked)
             cached = self.pool.match(seq.keys[:looked])
             need = self.pages_to_start(seq) - len(cached)
             reserve = self.watermark if self.running else 0
@@ -139,11 +140,14 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def register(self, seq: Sequence):
-        """Put the full pages of ``seq``'s committed tokens in the prefix cache."""
+        """Put the full pages of ``seq``'s committed tokens in the prefix cache (keyed from the first page not keyed
+        yet: no copy of the whole context per page)."""
         full = min(seq.cached_len, seq.num_tokens) // self.page_size
         if full > seq.registered:
-            extend_keys(seq.keys, seq.prompt_ids + seq.output_ids, self.page_size, full)
-            self.pool.register(seq.pages[seq.registered:full], seq.keys[seq.registered:full])
+            if self.pool.prefix_caching:
+                ps = self.page_size
+                extend_keys(seq.keys, seq.tokens_between(len(seq.keys) * ps, full * ps), ps, full)
+                self.pool.register(seq.pages[seq.registered:full], seq.keys[seq.registered:full])
             seq.registered = full
 
     def abort(self, request_id: str) -> Sequence | None:

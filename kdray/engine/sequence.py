@@ -59,6 +59,11 @@ class Sequence:
         """The tokens a prefill runs: the prompt and, after a preemption, the output but its last (the bonus)."""
         return self.prompt_ids + self.output_ids[:-1]
 
+    def tokens_between(self, lo: int, hi: int) -> list[int]:
+        """Tokens ``[lo, hi)`` of the prompt followed by the output, without building the whole context."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[lo:min(hi, n)] + self.output_ids[max(lo - n, 0):max(hi - n, 0)]
+
     @property
     def scores_prompt(self) -> bool:
         """Whether the prompt's log-probabilities are asked and not all in: its prefill scores every prompt token."""
