@@ -172,7 +172,7 @@ class Engine:
         if chunks:
             seqs = [seq for seq, _, _ in chunks]
             prefill = PrefillBatch(
-                slots=[s.slot for s in seqs], prompts=[s.context_ids[a:b] for s, a, b in chunks],
+                slots=[s.slot for s in seqs], prompts=[s.tokens_between(a, b) for s, a, b in chunks],
                 starts=[a for _, a, _ in chunks], pages=[list(s.pages) for s in seqs], params=[s.params for s in seqs],
                 seeds=[s.seed for s in seqs], last=[b == s.prefill_len for s, _, b in chunks],
                 roots=[s.output_ids[-1] if s.output_ids else None for s in seqs],

@@ -35,7 +35,7 @@ class Scheduler:
 
     def pages_to_start(self, seq: Sequence) -> int:
         """Pages a request needs to be admitted (without the prefix cache): its context and the look-ahead."""
-        return self.pool.pages_for(len(seq.context_ids) + self.lookahead)
+        return self.pool.pages_for(seq.context_len + self.lookahead)
 
     def pages_at_most(self, seq: Sequence) -> int:
         """Pages a request may hold at once in its life: its context grown to ``max_tokens`` (or the context
@@ -48,11 +48,11 @@ class Scheduler:
         admitted = []
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            context = seq.context_ids
-            full = (len(context) - 1) // self.page_size  # the last context token is always run: its logits
-            # a prompt to score runs whole: cached pages have no logits
-            looked = full if self.pool.prefix_caching and not seq.scores_prompt else 0
-            extend_keys(seq.keys, context[len(seq.keys) * self.page_size:], self.page_size, looked)
+            n, ps = seq.context_len, self.page_size
+            # the last context token is always run (its logits); a prompt to score runs whole (cached pages have no
+            # logits)
+            looked = (n - 1) // ps if self.pool.prefix_caching and not seq.scores_prompt else 0
+            extend_keys(seq.keys, seq.tokens_between(len(seq.keys) * ps, looked * ps), ps, looked)
             cached = self.pool.match(seq.keys[:looked])
             need = self.pages_to_start(seq) - len(cached)
             reserve = self.watermark if self.running else 0
@@ -63,7 +63,7 @@ class Scheduler:
             if self.pool.prefix_caching:  # counted once a request is admitted, not at every try before
                 self.prefix_lookups, self.prefix_hits = self.prefix_lookups + looked, self.prefix_hits + len(cached)
             seq.pages, seq.slot = cached + self.pool.allocate(need), self._free_slots.pop()
-            seq.prefill_len, seq.prefilled, seq.registered = len(context), len(cached) * self.page_size, len(cached)
+            seq.prefill_len, seq.prefilled, seq.registered = n, len(cached) * ps, len(cached)
             self.running.append(seq)
             admitted.append(seq)
         return admitted

@@ -59,6 +59,11 @@ class Sequence:
         """The tokens a prefill runs: the prompt and, after a preemption, the output but its last (the bonus)."""
         return self.prompt_ids + self.output_ids[:-1]
 
+    @property
+    def context_len(self) -> int:
+        """``len(context_ids)``, without building it."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
     def tokens_between(self, lo: int, hi: int) -> list[int]:
         """Tokens ``[lo, hi)`` of the prompt followed by the output, without building the whole context."""
         n = len(self.prompt_ids)
