@@ -87,6 +87,29 @@ def streamed(response: _Response, outs: list[RequestOutput]) -> dict:
     return {"content": content or None, "tool_calls": calls, "finish_reason": finish}
 
 
+class CountingTokenizer:
+    """A tokenizer that counts the ids it decodes."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok, self.backend, self.decoded = tok, tok.backend, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.tok.decode(ids)
+
+
+def test_a_streamed_reply_is_decoded_as_it_grows_not_again_at_every_chunk(k2):
+    """A stream decodes each new id's window (the tool-call text of a reply of n ids: O(n) ids decoded in all), not
+    the whole reply at every chunk (O(n^2): a 32k-token reply decoded 32k times over)."""
+    ids = k2.encode("Let me think about this for a while. " * 60 + K2_REPLY)
+    counting = CountingTokenizer(k2)
+    got = streamed(_Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(counting)),
+                   outputs(k2, ids, random.Random(0)))
+    check_calls(got["tool_calls"], K2_CALLS)
+    assert got["content"].startswith("Let me think") and len(ids) > 400
+    assert counting.decoded < 30 * len(ids), f"{counting.decoded} ids decoded for a reply of {len(ids)}"
+
+
 def check_calls(calls: list[dict], expected: list[tuple]):
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [e[1:] for e in expected]
     for call, (call_id, _, _) in zip(calls, expected):

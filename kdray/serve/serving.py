@@ -21,7 +21,7 @@ from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, Q
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
-from kdray.serve.tool_calls import ParsedCall, ToolCallParser
+from kdray.serve.tool_calls import ParsedCall, ToolCallParser, ToolText
 from kdray.spec.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("kdray.serve")
@@ -249,6 +249,7 @@ class _Sent:
     calls: list[list] = field(default_factory=list)  # [id, characters of arguments sent]
     offset: int = 0  # characters of the tokens whose log-probabilities are sent (completions' text_offset)
     echoed: bool = False  # the prompt's text (and log-probabilities) sent
+    tool_text: ToolText | None = None  # with tools: the reply's text so far, decoded as it grows
 
 
 class _Response:
@@ -286,12 +287,19 @@ class _Response:
             choice["token_ids"] = token_ids
         return choice
 
-    def _reply(self, c: CompletionOutput, finished: bool) -> tuple[str, list[ParsedCall], str | None]:
+    def _reply(self, c: CompletionOutput, finished: bool, sent: _Sent | None = None
+               ) -> tuple[str, list[ParsedCall], str | None]:
         """A choice's content, tool calls and finish reason so far: with tools, the text before the calls (all the
-        text when the finished reply has none) and finish reason "tool_calls" when it has."""
+        text when the finished reply has none) and finish reason "tool_calls" when it has. ``sent``: the choice's
+        stream, whose :class:`ToolText` decodes only the ids it has not seen."""
         if self.tools is None:
             return c.text, [], c.finish_reason
-        reply = self.tools.parse(self.tools.text(c.token_ids), finished)
+        if sent is None:
+            text = self.tools.text(c.token_ids)
+        else:
+            sent.tool_text = sent.tool_text or ToolText(self.tools)
+            text = sent.tool_text.text(c.token_ids, finished)
+        reply = self.tools.parse(text, finished)
         calls = reply.calls[:self.max_calls]
         if not finished:
             return reply.content, calls, None
@@ -332,7 +340,7 @@ class _Response:
         A running request's text is sent only as far as it is settled: not a tail that could still become a stop
         string (which is cut from the output) nor half a UTF-8 character. A tool call is sent with its id and name,
         then its arguments as they grow."""
-        content, calls, finish = self._reply(c, finished)
+        content, calls, finish = self._reply(c, finished, sent)
         if not finished:
             content = content[:len(content) - self.hold].rstrip("\ufffd")
         text = content[len(sent.text):]

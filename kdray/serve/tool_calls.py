@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from kdray.model.tokenizer import IncrementalDetokenizer
+
 K2_SECTION, K2_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 K2_CALL, K2_ARGUMENTS, K2_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 HERMES_CALL, HERMES_CALL_END = "<tool_call>", "</tool_call>"
@@ -101,6 +103,30 @@ class ToolCallParser:
             return ParsedReply(text if final else _hold(text, self.start), [])
         body = text[at:]
         return ParsedReply(text[:at], _k2_calls(body) if self.k2 else _hermes_calls(body, final))
+
+
+class ToolText:
+    """:meth:`ToolCallParser.text` of a growing reply (a stream's), decoding only the ids added since the last call:
+    decoding the whole reply at every step made a reply of n tokens cost O(n^2). While the reply runs its text holds
+    back a character still unfinished; once it has ended it equals ``parser.text(ids)``."""
+
+    def __init__(self, parser: ToolCallParser):
+        self.parser, self.seen, self.settled = parser, 0, ""
+        self._run = IncrementalDetokenizer(parser.tokenizer)  # the ids since the last marker
+
+    def text(self, ids: list[int], final: bool) -> str:
+        """The text of ``ids`` (this reply's ids so far: those seen before, then new ones); ``final`` once it ended."""
+        markers = self.parser.markers
+        for i in ids[self.seen:]:
+            if i in markers:
+                self.settled += self._run.flush() + markers[i]
+                self._run = IncrementalDetokenizer(self.parser.tokenizer)
+            else:
+                self.settled += self._run.add([i])
+        self.seen = len(ids)
+        if final:
+            self.settled += self._run.flush()
+        return self.settled
 
 
 def _text(value: str) -> dict:
