@@ -87,13 +87,19 @@ def test_a_few_steps_reduce_the_loss_and_write_a_loadable_checkpoint(tmp_path):
     assert len(res[0].outputs[0].token_ids) == 4
 
 
+def timed_run(out: Path, **flags) -> list[str]:
+    """train-drafter's arguments for a timed run of k2-tiny with two checkpoints into ``out``, plus ``flags``
+    (``train_seconds=3`` -> ``--train-seconds 3``)."""
+    fixed = {"model": "k2-tiny", "device": "cpu", "max_chars": 60, "layers": 1, "target_layers": 2, "block_size": 8,
+             "checkpoints": 2, "eval_prompts": 1}
+    return ["--output", str(out)] + [a for k, v in {**fixed, **flags}.items() for a in (f"--{k.replace('_', '-')}",
+                                                                                         str(v))]
+
+
 def test_a_timed_run_spreads_its_schedule_and_checkpoints_over_the_time(tmp_path):
     out = tmp_path / "drafter"
-    assert main(["--model", "k2-tiny", "--output", str(out), "--device", "cpu", "--max-chars", "60",
-                 "--num-prompts", "4", "--max-new-tokens", "12", "--layers", "1", "--target-layers", "2",
-                 "--block-size", "8", "--train-seconds", "3", "--batch-size", "4", "--anchors", "8",
-                 "--log-every", "1", "--checkpoints", "2", "--eval-prompts", "1", "--eval-tokens", "4",
-                 "--eval-budget", "8"]) == 0
+    assert main(timed_run(out, num_prompts=4, max_new_tokens=12, train_seconds=3, batch_size=4, anchors=8,
+                          log_every=1, eval_tokens=4, eval_budget=8)) == 0
     log = json.loads((out / "train_log.json").read_text())
     curve = log["curve"]
     assert 3.0 <= log["train_seconds"] < 4.5 and log["steps"] == len(curve) > 10
@@ -114,11 +120,8 @@ def test_the_step_that_ends_a_timed_schedule_is_checkpointed(tmp_path, monkeypat
     clock = itertools.count()
     monkeypatch.setattr(train_drafter.time, "perf_counter", lambda: next(clock) * tick)
     out = tmp_path / "drafter"
-    assert main(["--model", "k2-tiny", "--output", str(out), "--device", "cpu", "--max-chars", "60",
-                 "--num-prompts", "2", "--max-new-tokens", "4", "--layers", "1", "--target-layers", "2",
-                 "--block-size", "8", "--train-seconds", "0.6", "--batch-size", "2", "--anchors", "2",
-                 "--log-every", "100", "--checkpoints", "2", "--eval-prompts", "1", "--eval-tokens", "2",
-                 "--eval-budget", "4"]) == 0
+    assert main(timed_run(out, num_prompts=2, max_new_tokens=4, train_seconds=0.6, batch_size=2, anchors=2,
+                          log_every=100, eval_tokens=2, eval_budget=4)) == 0
     log = json.loads((out / "train_log.json").read_text())
     assert log["complete"] and log["train_seconds"] >= 0.6
     assert log["evals"][-1]["step"] == log["steps"] == log["curve"][-1]["step"]
