@@ -1,4 +1,4 @@
-"""Benchmark rows for the speculative-step kernels: tree_build, tree_accept, kv_compact (imported by bench_kernels.py)."""
+"""Benchmark rows for the speculative-step kernels: tree_build, tree_accept, kv_compact (bench_kernels.py's section)."""
 from __future__ import annotations
 
 import torch

@@ -29,9 +29,9 @@ output, the rope column shared by the heads). On Hopper in bf16 at K2's head dim
 (``cuda/prefill_attention.cu``), which reads both parts and the values where they lie, so no ``[keys, heads, 192]``
 key tensor is built; elsewhere, and for prompts all of ``MLA_CUDNN_PROMPT`` tokens or more, it builds that tensor and
 calls :func:`prefill_attention`. On the H200 at K2's TP8-shard dims (8 heads), graph-replayed, against the joined keys
-and the paths above (``benchmarks/bench_kernels.py --only prefill``): one prompt of 1k tokens 29.5-31.0 against 33.4-37 us,
-4k 99-101 against 151, 16k 1.28-1.29 against 1.27 ms, 64k 21.9 against 19.0 ms; 8 x 2048 tokens 208 against 425 us;
-2048 new tokens after 16,384 cached 0.37 against 0.88 ms.
+and the paths above (``benchmarks/bench_kernels.py --only prefill``): one prompt of 1k tokens 29.5-31.0 against
+33.4-37 us, 4k 99-101 against 151, 16k 1.28-1.29 against 1.27 ms, 64k 21.9 against 19.0 ms; 8 x 2048 tokens 208
+against 425 us; 2048 new tokens after 16,384 cached 0.37 against 0.88 ms.
 """
 from __future__ import annotations
 
