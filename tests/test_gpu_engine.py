@@ -6,9 +6,8 @@ import warnings
 
 import pytest
 import torch
-from test_scheduler import staggered
+from test_scheduler import record_riding_rows, staggered
 
-import kdray.engine.runner as runner_module
 from kdray import LLM, SamplingParams
 from kdray.config import K2Config
 from kdray.engine.cuda_graphs import GraphedFn
@@ -253,9 +252,7 @@ def test_prompt_chunks_riding_in_graphed_steps_equal_the_cpu_reference(monkeypat
     graphed steps (each padded to its bucket), end as the CPU's unchunked run does."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     cpu = LLM(model="k2-tiny", device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS, sampling_params=params)
-    rows = []
-    riding_rows = runner_module.riding_rows
-    monkeypatch.setattr(runner_module, "riding_rows", lambda *a: rows.append(n := riding_rows(*a)) or n)
+    rows = record_riding_rows(monkeypatch)
     engine = LLM(model="k2-tiny", device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
                  block_size=4, cuda_graphs=True, prefill_chunk=16).engine
     rows.clear()  # the warm-up's

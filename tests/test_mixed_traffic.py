@@ -5,11 +5,9 @@ finish reason, its log-probabilities), and the engine ends with every page free.
 import random
 
 import pytest
+from test_scheduler import MODES
 
 from kdray import LLM, SamplingParams
-
-MODES = {"ar": {"spec": "ar"}, "chain": {"drafter": "random", "spec": "chain", "block_size": 4},
-         "ddtree": {"drafter": "random", "spec": "ddtree", "budget": 8, "block_size": 4}}
 
 
 def random_params(rng: random.Random) -> SamplingParams:

@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
-from test_scheduler import staggered
+from test_scheduler import record_riding_rows, staggered
 
-import kdray.engine.runner as runner_module
 from kdray import LLM, SamplingParams, StructuredOutputsParams
 from kdray.actors.communicator import CommunicatorTimeout, GlooGroup
 from kdray.config import K2Config
@@ -147,9 +146,7 @@ def test_prompt_chunks_riding_on_ray_equal_in_process(cluster, monkeypatch):
     """TP = 2 and the drafter's actor, requests arriving while others decode: each lone prompt chunk rides in the
     step plan (the shards' verify pass; its features and first token then reach the drafter's actor, whose trees
     root at that token) and the outputs are the in-process run's."""
-    rows = []
-    riding_rows = runner_module.riding_rows
-    monkeypatch.setattr(runner_module, "riding_rows", lambda *a: rows.append(n := riding_rows(*a)) or n)
+    rows = record_riding_rows(monkeypatch)
     with LLM(model="k2-tiny", **SPEC, tp=2, distributed="ray", prefill_chunk=8) as llm:
         assert staggered(llm.engine, SamplingParams(max_tokens=24, ignore_eos=True), PROMPTS) == \
             reference("k2-tiny", PROMPTS, 24)

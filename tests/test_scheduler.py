@@ -41,6 +41,14 @@ def staggered(engine, params: SamplingParams, prompts: list[list[int]] = PROMPTS
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
+def record_riding_rows(monkeypatch) -> list:
+    """From now on, every ``riding_rows`` decision (a riding chunk's rows, or None for a pass of its own) in the
+    returned list."""
+    rows, decide = [], runner_module.riding_rows
+    monkeypatch.setattr(runner_module, "riding_rows", lambda *a: rows.append(n := decide(*a)) or n)
+    return rows
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """Each mode's outputs with nothing shared, nothing chunked and room for everything."""

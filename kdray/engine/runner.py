@@ -317,7 +317,6 @@ class ModelRunner:
         self._propose_graphs = graphed(self._propose_fn)
         self._settle_graphs = graphed(self._settle_fn)
         self._prompt_graphs = GraphedFn(self._prompt_fn, lambda: lambda: None) if self.graphs and target_kv else None
-        # [2] int32 per padded size: the one prompt's row offsets
         self._prompt_masks: dict[int, torch.Tensor] = {}  # padded size -> causal mask [1, n, ceil(n/32)], when used
 
     def shutdown(self):

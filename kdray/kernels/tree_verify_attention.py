@@ -181,6 +181,12 @@ def _combine_cols(rows: int, dv: int, sms: int) -> int:
     return next((vw for vw in (256, 128, 64) if dv % vw == 0 and rows * (dv // vw) >= 8 * sms), 32)
 
 
+def _query_tiles(T: int, B: int, group: int) -> int:
+    """The grid's query tiles for ``T`` queries of ``B`` sequences, ``group`` query heads a KV head: at least the sum
+    over the sequences of ceil(q_len * group / 64)."""
+    return -(-T * group // _TILE) + min(B, T) - 1
+
+
 def _grid_splits(T: int, B: int, longest: int | None, group: int, kv_heads: int, key_tiles: int, slots: int) -> int:
     """The grid's key splits for ``T`` queries of ``B`` sequences (``longest``: the most queries one has, where the
     caller knows). Sequences of T / B queries each (a verify step's trees) are counted as they are; a ragged batch (a
@@ -188,8 +194,7 @@ def _grid_splits(T: int, B: int, longest: int | None, group: int, kv_heads: int,
     sequence would have alone: counted with the short sequences' tiles as equals, a 128-token chunk after 16k cached
     keys had one split instead of 4, and its step took 14.6 ms instead of 10.4 (H200, Llama-3.1-8B, 8 decoding
     sequences)."""
-    tiles = -(-T * group // _TILE) + min(B, T) - 1  # >= sum over sequences of ceil(q_len * G / 64)
-    likely = B * -(-(T // B) * group // _TILE) if T % B == 0 else tiles
+    likely = B * -(-(T // B) * group // _TILE) if T % B == 0 else _query_tiles(T, B, group)
     splits = _num_splits(kv_heads * likely, key_tiles, slots)
     if longest is None or longest * B <= T:
         return splits
@@ -228,7 +233,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
         raise ValueError("q, kv_cache and out must be 16-byte aligned for the tensor-core kernel")
 
     group = hq // kv_heads
-    tiles = -(-T * group // _TILE) + min(B, T) - 1  # >= sum over sequences of ceil(q_len * G / 64)
+    tiles = _query_tiles(T, B, group)
     n_splits = 1
     if mma is not None and tiles > 0:
         slots = sm_count(dev.index) * mma[2]
