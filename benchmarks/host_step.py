@@ -12,7 +12,8 @@ time the host does not hide; on cuda with their unpacking), to host (the copy ba
 
 ``--steady``: 3 x batch prompts of 0.5-1.5 x the new tokens each, so requests finish and are admitted every step,
 as in a long job: steps count while requests wait, prefills included (prefill: its host work and the first tokens'
-choice; its forward counts as forward).
+choice; its forward counts as forward). ``--stream``: the engine stepped as the Serve path steps it, every request
+reporting what it added at every step (joined per request), instead of ``LLM.generate``'s finished outputs alone.
 
     python benchmarks/host_step.py --device cpu     # tiny Llama: hidden 64, 2 layers, SmolLM2's vocab and tokenizer
     python benchmarks/host_step.py --device cuda    # smollm2-135m, bfloat16, CUDA graphs (the runner's stages replay)
@@ -32,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
 from kdray.engine.engine import Engine  # noqa: E402
-from kdray.engine.request import SamplingParams  # noqa: E402
+from kdray.engine.request import SamplingParams, join_output  # noqa: E402
 from kdray.engine.runner import ModelRunner  # noqa: E402
 from kdray.engine.scheduler import Scheduler  # noqa: E402
 from kdray.engine.step import Pending  # noqa: E402
@@ -118,9 +119,10 @@ def tiny_target(vocab: int, hidden: int, layers: int, context: int = 2048) -> Lo
 
 
 def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, clock: StageClock | None,
-            steady: bool = False) -> dict:
+            steady: bool = False, stream: bool = False) -> dict:
     """Generate for ``batch`` random prompts (after a warm-up generation) -> mean ms per decode step, per stage with a
-    ``clock`` (work done once per request, at its end, is shared over the steps)."""
+    ``clock`` (work done once per request, at its end, is shared over the steps); ``stream``: every step reports
+    every request, as for the Serve path."""
     llm = LLM(model=target, spec="ar", max_num_seqs=batch, max_tokens_per_step=32768,
               num_pages=kv_pages([prompt_len] * batch, new_tokens, 2))
     g = torch.Generator().manual_seed(batch)
@@ -157,7 +159,17 @@ def measure(target: LoadedTarget, batch: int, prompt_len: int, new_tokens: int, 
     try:
         sync()
         t = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        if stream:  # as the Serve path runs it: every step's outputs, joined per request
+            for i, (ids, p) in enumerate(zip(prompts, params)):
+                engine.add_request(str(i), ids, p)
+            whole = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    join_output(whole, out)
+            engine.drain()
+            outs = [whole[str(i)] for i in range(n)]
+        else:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         sync()
         total = time.perf_counter() - t
     finally:
@@ -189,6 +201,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 32 on cpu, 256 on cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--steady", action="store_true", help="requests finishing and admitted every step (see above)")
+    ap.add_argument("--stream", action="store_true",
+                    help="step the engine as the Serve path does (every request's output at every step) instead of "
+                         "LLM.generate (finished requests' outputs only)")
     ap.add_argument("--stages", choices=("on", "off"), default="on",
                     help="split the step by stage (wrapping the stages' methods costs ~1 us a call)")
     args = ap.parse_args()
@@ -201,7 +216,7 @@ def main():
     clock = StageClock() if args.stages == "on" else None
     rows = []
     for b in args.batch:
-        r = measure(target, b, args.prompt_len, new_tokens, clock, args.steady)
+        r = measure(target, b, args.prompt_len, new_tokens, clock, args.steady, args.stream)
         row = [str(b), str(r["steps"]), f"{r['step_ms']:.2f}", f"{r['tok_s']:.0f}"]
         if clock:
             s = r["stages_ms"]
@@ -210,7 +225,8 @@ def main():
             row += [f"{host:.2f}", f"{1e3 * host / b:.2f}"] + [f"{s.get(k, 0.0):.2f}" for k in ORDER]
         rows.append(row)
     model = "smollm2-135m bf16" if args.device == "cuda" else "tiny Llama (hidden 64, 2 layers, vocab 49152) fp32"
-    new = f"{new_tokens} new tokens" + (" (0.5-1.5x, 3x batch prompts: steady)" if args.steady else "")
+    new = (f"{new_tokens} new tokens" + (" (0.5-1.5x, 3x batch prompts: steady)" if args.steady else "")
+           + (", streamed outputs" if args.stream else ""))
     print(f"\n# {datetime.date.today()} host_step on {args.device}: {model}, AR greedy, prompts {args.prompt_len} "
           f"tokens, {new}, torch threads {torch.get_num_threads()}; ms per decode step")
     header = ["batch", "steps", "step ms", "tok/s (prefill incl.)"]

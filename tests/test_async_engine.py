@@ -9,6 +9,7 @@ import pytest
 
 from kdray import LLM, SamplingParams
 from kdray.engine.engine import RunnerFailure
+from kdray.engine.request import join_output
 from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted
 from kdray.serve.metrics import Metrics
 
@@ -74,7 +75,10 @@ def llm():
 def collect(runner: AsyncEngine, rid: str, params: SamplingParams = PARAMS):
     async def go():
         stream = await runner.generate([(rid, [5, 6, 7], params)])
-        return [out async for out in stream][-1]
+        whole = {}
+        async for out in stream:
+            join_output(whole, out)
+        return whole[rid]
 
     return asyncio.wait_for(go(), 30)
 
@@ -108,6 +112,21 @@ def test_a_failed_step_reruns_a_request_that_sent_nothing(llm):
     again on the rebuilt runner instead of failing."""
     _, last = run(FailOnce(llm.engine, victim="a", at=1), lambda runner: collect(runner, "a"))
     assert last.finished and len(last.outputs[0].token_ids) == 4
+    assert all_pages_free(llm)
+
+
+def test_a_slow_reader_gets_the_outputs_that_arrived_meanwhile_joined_into_one(llm):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def scenario(runner):
+        stream = await runner.generate([("a", [5, 6, 7], params)])
+        while not any(getattr(item, "finished", False) for item in stream._items):  # the reader sleeps meanwhile
+            await asyncio.sleep(0.01)
+        return [out async for out in stream]
+
+    _, outs = run(llm.engine, scenario)
+    alone = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)[0].outputs[0].token_ids
+    assert len(outs) == 1 and outs[0].finished and outs[0].outputs[0].token_ids == alone
     assert all_pages_free(llm)
 
 

@@ -1,6 +1,8 @@
 """The engine, its scheduler and page pool against a fake runner (no model): request state, admission by
 pages and slots, continuous batching under the step-token bound, exact stops inside multi-token steps,
 aborts and runner failures."""
+import itertools
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from kdray.config import SpecConfig
 from kdray.engine.engine import Engine, RunnerFailure
 from kdray.engine.kv_pages import PagePool, extend_keys
 from kdray.engine.layout import EngineLayout
+from kdray.engine.request import join_output
 from kdray.engine.runner import SlotState
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.step import Pending, PrefillBatch, StepResult, first_tokens
@@ -72,15 +75,21 @@ def make_engine(runner, num_pages=64, page_size=4, max_num_seqs=4, max_model_len
     return Engine(runner, scheduler, tokenizer, max_model_len, VOCAB, eos, "fake", spec.nodes)
 
 
+def join(whole: dict, outputs: list) -> list:
+    """Join each streamed output onto its request's in ``whole`` (request id -> output so far) -> the whole
+    outputs of the requests that finished."""
+    return [o for o in (join_output(whole, out) for out in outputs) if o.finished]
+
+
 def run(engine, prompts, params):
+    """Add the requests, step until they finish -> their outputs (each the join of its streamed ones)."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
-    done = {}
+    whole, done = {}, {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.request_id not in done, "an output after the request finished"
-            if out.finished:
-                done[out.request_id] = out
+        outs = engine.step()
+        assert not any(o.request_id in done for o in outs), "an output after the request finished"
+        done.update({o.request_id: o for o in join(whole, outs)})
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -254,9 +263,9 @@ def test_chunked_prefill_shares_steps_with_decoding(chunk):
     engine.add_request("short", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True))
     engine.step()
     engine.add_request("long", list(range(3, 45)), SamplingParams(max_tokens=5, ignore_eos=True))
-    done = {}
+    whole, done = {}, {}
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        done.update({o.request_id: o for o in join(whole, engine.step())})
     assert done["long"].outputs[0].token_ids == expected(list(range(3, 45)), 5)
     assert done["short"].outputs[0].token_ids == expected([1, 2], 40)
     long_chunks = [(b.starts[i], len(b.prompts[i])) for b in runner.prefills for i in range(len(b.slots))
@@ -377,9 +386,9 @@ def test_a_runner_failure_fails_the_running_requests_and_the_waiting_ones_run_ne
     with pytest.raises(RunnerFailure, match=r"shard 1 died\n-> request\(s\) \['a'\] failed") as failure:
         engine.step()
     assert failure.value.request_ids == ("a",) and engine.free_pages() == 64
-    outs = {}
+    whole, outs = {}, {}
     while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        outs.update({o.request_id: o for o in join(whole, engine.step())})
     assert list(outs) == ["b"] and outs["b"].outputs[0].token_ids == expected([3, 4], 5)
 
 
@@ -423,6 +432,34 @@ def run_final_only(engine, prompts, params):
             assert out.finished and out.request_id not in done
             done[out.request_id] = out
     return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_a_streamed_output_holds_only_what_its_request_added():
+    """Each streamed output carries the tokens, log-probabilities and text of its step alone (a long output's
+    outputs cost what they add, not its length); a running request's text stops short of what a stop string may
+    still cut, and the outputs join into what a final-only step reports."""
+    seq = expected([1], 30)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=30, stop=f"<{seq[29]}>!", ignore_eos=True)]  # never matches: held 4 chars
+    engine = make_engine(FakeRunner(accept=4), tokenizer=AngleTokenizer())
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [1], p)
+    streamed = {"r0": [], "r1": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id].append(out)
+    final = run_final_only(make_engine(FakeRunner(accept=4), tokenizer=AngleTokenizer()), [[1], [1]], params)
+    for outs, whole, p in zip(streamed.values(), final, params):
+        sizes = [len(o.outputs[0].token_ids) for o in outs]
+        assert sizes == [1] + [4] * 7 + [1]  # the prefill's token, then each step's (the last one cut by length)
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        text = "".join(o.outputs[0].text for o in outs)
+        assert ids == whole.outputs[0].token_ids == seq
+        assert text == whole.outputs[0].text == AngleTokenizer().decode(seq)
+        hold = len(p.stop[0]) - 1 if p.stop else 0
+        made = [len(AngleTokenizer().decode(seq[:n])) for n in itertools.accumulate(sizes)]
+        shown = list(itertools.accumulate(len(o.outputs[0].text) for o in outs))
+        assert shown == [n - hold for n in made[:-1]] + made[-1:]
 
 
 def test_final_only_steps_report_the_finished_requests_text_made_once():

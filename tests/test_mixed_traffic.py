@@ -5,6 +5,7 @@ finish reason, its log-probabilities), and the engine ends with every page free.
 import random
 
 import pytest
+from test_engine import join
 from test_scheduler import MODES
 
 from kdray import LLM, SamplingParams
@@ -45,7 +46,7 @@ def test_mixed_traffic_ends_every_request_as_it_would_alone(seed, preempts):
     pages = 14 + 6 * (seed % 2)
     llm = LLM(model="k2-tiny", prefill_chunk=rng.choice([16, 32, 48]), max_num_seqs=rng.choice([3, 4, 8]),
               num_pages=pages, **MODES[mode])
-    engine, done, step = llm.engine, {}, 0
+    engine, whole, done, step = llm.engine, {}, {}, 0
     while step <= 40 or engine.has_unfinished_requests():
         for i, t in enumerate(arrive):
             if t == step:
@@ -53,7 +54,7 @@ def test_mixed_traffic_ends_every_request_as_it_would_alone(seed, preempts):
         for i, t in aborted.items():
             if t == step:
                 engine.abort_request(f"r{i}")
-        done.update({int(o.request_id[1:]): o.outputs[0] for o in engine.step() if o.finished})
+        done.update({int(o.request_id[1:]): o.outputs[0] for o in join(whole, engine.step())})
         step += 1
     alone = LLM(model="k2-tiny", prefix_caching=False, **MODES[mode])
     for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from test_engine import join
 
 import kdray.engine.runner as runner_module
 import kdray.model.k2 as k2
@@ -32,11 +33,11 @@ def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
 def staggered(engine, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     """``prompts`` arriving one every 6 steps while the earlier ones decode, so that each one's chunks are alone in
     their steps -> their outputs' tokens."""
-    done, i = {}, 0
+    whole, done, i = {}, {}, 0
     while i < 6 * len(prompts) or engine.has_unfinished_requests():
         if i % 6 == 0 and i // 6 < len(prompts):
             engine.add_request(f"r{i // 6}", prompts[i // 6], params)
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        done.update({o.request_id: o.outputs[0].token_ids for o in join(whole, engine.step())})
         i += 1
     return [done[f"r{i}"] for i in range(len(prompts))]
 

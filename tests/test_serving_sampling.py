@@ -10,7 +10,7 @@ import pytest
 from k2_chat import GREETING, make_k2_chat_checkpoint
 
 from kdray import LLM, SamplingParams
-from kdray.engine.request import RequestOutput
+from kdray.engine.request import RequestOutput, join_output
 from kdray.serve.async_engine import AsyncEngine
 from kdray.serve.metrics import Metrics
 from kdray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
@@ -84,15 +84,16 @@ def test_min_tokens_outlasts_eos(serving):
 
 
 def engine_output(serving, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-    """The engine's own final output for the same request."""
-    done = []
+    """The engine's own final output for the same request (its streamed outputs joined)."""
+    whole = {}
 
     async def go():
         stream = await serving.engine.generate([("ref", prompt_ids, params)])
-        done.extend([out async for out in stream])
+        async for out in stream:
+            join_output(whole, out)
 
     asyncio.run(go())
-    return done[-1]
+    return whole["ref"]
 
 
 def engine_logprobs(serving, prompt_ids: list[int], k: int) -> tuple[list[int], list[dict]]:

@@ -1,6 +1,7 @@
 """Tool calls parsed from chat replies (Kimi-K2's tool-call tokens, Hermes' JSON), whole and streamed: the deltas
 of a reply cut into random chunks add up to the whole reply's message."""
 import asyncio
+import copy
 import json
 import random
 
@@ -8,7 +9,7 @@ import pytest
 from test_tokenizer import write_k2_dir
 
 from kdray.engine.request import CompletionOutput, RequestOutput
-from kdray.model.tokenizer import TiktokenBackend, Tokenizer
+from kdray.model.tokenizer import IncrementalDetokenizer, TiktokenBackend, Tokenizer
 from kdray.serve.protocol import ChatCompletionRequest
 from kdray.serve.serving import _Response
 from kdray.serve.tool_calls import ToolCallParser
@@ -41,14 +42,26 @@ def chat_request(**fields) -> ChatCompletionRequest:
 
 
 def outputs(tok: Tokenizer, ids: list[int], rng: random.Random, finish: str = "stop") -> list[RequestOutput]:
-    """The engine's outputs of a reply arriving in chunks of 1-4 ids (cumulative text and ids)."""
-    cuts, at = [], 0
+    """The engine's streamed outputs of a reply arriving in chunks of 1-4 ids (each one's text and ids added)."""
+    cuts, at = [0], 0
     while at < len(ids):
         at = min(len(ids), at + rng.randint(1, 4))
         cuts.append(at)
-    return [RequestOutput("r-0", [1], [CompletionOutput(0, tok.decode(ids[:n]), ids[:n],
-                                                        finish if n == len(ids) else None)], n == len(ids))
-            for n in cuts]
+    detok, outs = IncrementalDetokenizer(tok), []
+    for m, n in zip(cuts, cuts[1:]):
+        end = n == len(ids)
+        text = detok.add(ids[m:n]) + (detok.flush() if end else "")
+        outs.append(RequestOutput("r-0", [1], [CompletionOutput(0, text, ids[m:n], finish if end else None)], end,
+                                  {"generated_tokens": n}))
+    return outs
+
+
+def joined(outs: list[RequestOutput]) -> RequestOutput:
+    """The whole output that streamed ``outs`` make (they stay as they are)."""
+    whole = copy.deepcopy(outs[0])
+    for out in outs[1:]:
+        whole.add(out)
+    return whole
 
 
 class FakeStream:
@@ -130,7 +143,7 @@ def test_tool_calls_whole_and_streamed_in_random_chunks(request, fmt, parallel):
     rng = random.Random(0)
     for _ in range(20):
         outs = outputs(tok, ids, rng)
-        body = _Response("r", "m", True, req, 1, 1, tools=parser).body([outs[-1]])
+        body = _Response("r", "m", True, req, 1, 1, tools=parser).body([joined(outs)])
         message, finish = body["choices"][0]["message"], body["choices"][0]["finish_reason"]
         assert (message["content"], finish) == (content, "tool_calls")
         check_calls(message["tool_calls"], expected)
@@ -148,7 +161,7 @@ def test_replies_without_complete_calls_keep_their_text(k2, hermes):
         ids = tok.encode(reply)
         outs = outputs(tok, ids, rng, finish)
         response = _Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok))
-        message = response.body([outs[-1]])["choices"][0]["message"]
+        message = response.body([joined(outs)])["choices"][0]["message"]
         assert message == {"role": "assistant", "content": tok.decode(ids)}
         got = streamed(_Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok)), outs)
         assert got["finish_reason"] == finish

@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from kdray.engine.request import MAX_BAN, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from kdray.engine.request import MAX_BAN, CompletionOutput, Logprob, RequestOutput, SamplingParams, stop_hold
 from kdray.engine.scheduler import Scheduler
 from kdray.engine.sequence import Sequence
 from kdray.engine.step import Pending, PrefillBatch, StepBatch
@@ -122,10 +122,11 @@ class Engine:
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Launch the next step on the device, then apply the one before it while this one runs: the host is one
         step behind. Prefill what the scheduler admits, step what runs, report every request that emitted tokens
-        or finished (``stream``), or only those that finished (their text then made once, at the end). Tokens a
-        request produced after its end (found one step late) are discarded; its pages come back once no step in
-        flight can write them. A request with a grammar masks its next step by its tokens so far, so while one is in
-        flight the step before is applied first (that step pipelines nothing).
+        or finished (``stream``: each output holds what its request added since its last one, see :meth:`_output`),
+        or only those that finished (whole, their text then made once, at the end). Tokens a request produced after
+        its end (found one step late) are discarded; its pages come back once no step in flight can write them. A
+        request with a grammar masks its next step by its tokens so far, so while one is in flight the step before
+        is applied first (that step pipelines nothing).
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
@@ -338,12 +339,19 @@ class Engine:
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        """The request's output (its prompt log-probabilities are all in once it has any: shared, never changed)."""
+        """What the request added since its last output: its new token ids, log-probabilities and text (while it
+        runs, not the text's last :func:`stop_hold` characters, which a stop string may still cut), as of now its finish
+        and metrics. A request's first output carries everything so far, so one reported only once it finished is
+        whole; each costs what it carries, not the length of the output (its prompt log-probabilities are all in
+        once it has any: shared, never changed)."""
         asked = seq.params.logprobs is not None
+        ids, chars = seq.reported
+        shown = len(seq.text) if seq.finished else max(chars, len(seq.text) - stop_hold(seq.params.stop))
+        seq.reported = (len(seq.output_ids), shown)
         return RequestOutput(seq.request_id, seq.prompt_ids,
-                             [CompletionOutput(0, seq.text, list(seq.output_ids), seq.finish_reason,
+                             [CompletionOutput(0, seq.text[chars:shown], seq.output_ids[ids:], seq.finish_reason,
                                                seq.cumulative_logprob if asked else None,
-                                               list(seq.logprobs) if asked else None)],
+                                               seq.logprobs[ids:] if asked else None)],
                              seq.finished, seq.metrics(),
                              prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
 

@@ -120,6 +120,21 @@ class SamplingParams:
         return frozenset(name for name, on in used.items() if on)
 
 
+def join_output(whole: dict[str, RequestOutput], out: RequestOutput) -> RequestOutput:
+    """Join the streamed ``out`` onto its request's output so far in ``whole`` (request id -> output; a request's first
+    output is kept as it is, then grows) -> the request's output so far."""
+    known = whole.setdefault(out.request_id, out)
+    if known is not out:
+        known.add(out)
+    return known
+
+
+def stop_hold(stop: list[str]) -> int:
+    """Characters at the end of a running request's text that may yet turn out to begin one of its ``stop``
+    strings (which are cut from the text), so are not reported while it runs."""
+    return max(map(len, stop), default=1) - 1
+
+
 def _whole(value, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
@@ -161,8 +176,10 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One request's state: its prompt (``prompt`` is the text, None when it was given as token ids), its samples,
-    whether it finished, and its metrics. With ``SamplingParams.prompt_logprobs`` = k, ``prompt_logprobs`` holds per
-    prompt token None for the first (nothing comes before it), then ``{token id: Logprob}`` as
+    whether it finished, and its metrics. A streamed output (``Engine.step``) holds only the text, token ids and
+    log-probabilities added since the request's previous one (:meth:`add` joins them); its finish, cumulative
+    log-probability and metrics are as of now. With ``SamplingParams.prompt_logprobs`` = k, ``prompt_logprobs``
+    holds per prompt token None for the first (nothing comes before it), then ``{token id: Logprob}`` as
     ``CompletionOutput.logprobs`` does (the prompt token, then the k likeliest at its place); else it is None."""
 
     request_id: str
@@ -172,3 +189,14 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     prompt: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, later: RequestOutput):
+        """Join ``later``, the next streamed output of the same request (what it added since this one), onto this
+        one in place: streamed outputs joined in order are the request's whole output."""
+        for mine, new in zip(self.outputs, later.outputs, strict=True):
+            mine.text += new.text
+            mine.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                mine.logprobs.extend(new.logprobs)
+            mine.finish_reason, mine.cumulative_logprob = new.finish_reason, new.cumulative_logprob
+        self.finished, self.metrics = later.finished, later.metrics

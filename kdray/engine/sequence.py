@@ -41,6 +41,7 @@ class Sequence:
     grammar: GrammarState | None = None  # structured_outputs: its matcher, at the committed output's end
     text: str = ""
     detokenized: int = 0  # output ids whose text is in ``text`` (but a held unfinished character)
+    reported: tuple[int, int] = (0, 0)  # output ids and characters of ``text`` its outputs have carried
     logprobs: list = field(default_factory=list)  # per output token {token id: Logprob}, when the request asks
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=lambda: [None])  # per prompt token scored so far (prompt_logprobs)

@@ -54,7 +54,8 @@ class RequestStream:
     """Outputs of one submission (one or more engine requests), in the order the engine emits them.
 
     Iterate it with ``async for``; :meth:`abort` stops every request still running and frees its pages.
-    Outputs carry cumulative text and token ids, so a slow reader gets only the newest of each request.
+    Each output holds what its request added since its previous one (:meth:`RequestOutput.add` joins them); a slow
+    reader gets a request's outputs that arrived meanwhile joined into one.
     """
 
     def __init__(self, owner: AsyncEngine, request_ids: list[str]):
@@ -79,7 +80,7 @@ class RequestStream:
         item = self._items.popleft()
         while (isinstance(item, RequestOutput) and not item.finished and self._items
                and getattr(self._items[0], "request_id", None) == item.request_id):
-            item = self._items.popleft()
+            item.add(self._items.popleft())
         if isinstance(item, BaseException):
             self._unfinished.clear()
             raise item

@@ -160,7 +160,7 @@ class Metrics:
     def finished(self, out: RequestOutput, seconds_after_first: float, seconds: float):
         """Count a finished request; ``seconds_after_first`` spans its first to its last token, ``seconds`` its
         submission to its last token."""
-        n = len(out.outputs[0].token_ids)
+        n = out.metrics["generated_tokens"]
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(n)
         self.success.inc(finished_reason=out.outputs[0].finish_reason or "unknown")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from kdray.actors.channel import WorkerFailure
 from kdray.engine.engine import RunnerFailure
-from kdray.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from kdray.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams, join_output, stop_hold
 from kdray.model.tokenizer import ChatTemplateError
 from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, QueueFull, RequestStream
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
@@ -231,13 +231,12 @@ class OpenAIServing:
             ttft = self.engine.metrics.server_ttft
             return response.sse(stream, lambda: ttft.observe(time.perf_counter() - arrived))
         try:
-            final: dict[str, RequestOutput] = {}
+            whole: dict[str, RequestOutput] = {}
             async for out in stream:
-                if out.finished:
-                    final[out.request_id] = out
+                join_output(whole, out)
         finally:
             stream.abort()
-        return response.body([final[r[0]] for r in requests])
+        return response.body([whole[r[0]] for r in requests])
 
 
 @dataclass
@@ -261,7 +260,7 @@ class _Response:
         self.rid, self.model, self.chat, self.choices, self.prompt_tokens = rid, model, chat, choices, prompt_tokens
         self.top, self.token_text = req.reported_logprobs, token_text
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
-        self.hold = max(map(len, req.stop), default=1) - 1  # text that may yet turn out to start a stop string
+        self.hold = stop_hold(req.stop)
         self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
         self.generates = req.max_tokens != 0  # 0 (echo): the prompt alone
         self.tools = tools
@@ -338,10 +337,11 @@ class _Response:
         """What a choice adds to what its stream has sent: text, tool-call deltas, the finish reason.
 
         A running request's text is sent only as far as it is settled: not a tail that could still become a stop
-        string (which is cut from the output) nor half a UTF-8 character. A tool call is sent with its id and name,
+        string (which is cut from the output) nor half a UTF-8 character (the engine's text is; the text of a reply
+        with tools, decoded here, is held back here). A tool call is sent with its id and name,
         then its arguments as they grow."""
         content, calls, finish = self._reply(c, finished, sent)
-        if not finished:
+        if not finished and self.tools is not None:  # the engine holds back its own text; this one is made here
             content = content[:len(content) - self.hold].rstrip("\ufffd")
         text = content[len(sent.text):]
         if text:
@@ -390,14 +390,16 @@ class _Response:
         with a generated token goes out."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         sent = [_Sent() for _ in range(self.choices)]
+        whole: dict[str, RequestOutput] = {}  # per choice: its outputs joined
         try:
             for index in range(self.choices):
                 if self.chat:
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
                     yield sse({**self._head(obj), "choices": [first]})
-            async for out in stream:
-                index = int(out.request_id.rsplit("-", 1)[1])
+            async for added in stream:
+                index = int(added.request_id.rsplit("-", 1)[1])
+                out = join_output(whole, added)
                 if self.echo and not sent[index].echoed:
                     sent[index].echoed = True
                     logprobs = self._logprobs(*self._echoed(out), sent[index])
