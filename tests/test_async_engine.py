@@ -4,12 +4,14 @@ restarts it on the same engine, its pages all free again."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from kdray import LLM, SamplingParams
 from kdray.engine.engine import RunnerFailure
 from kdray.engine.request import join_output
+from kdray.serve import async_engine
 from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted
 from kdray.serve.metrics import Metrics
 
@@ -127,6 +129,36 @@ def test_a_slow_reader_gets_the_outputs_that_arrived_meanwhile_joined_into_one(l
     _, outs = run(llm.engine, scenario)
     alone = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)[0].outputs[0].token_ids
     assert len(outs) == 1 and outs[0].finished and outs[0].outputs[0].token_ids == alone
+    assert all_pages_free(llm)
+
+
+def test_a_request_being_admitted_counts_once_against_the_capacity(llm, monkeypatch):
+    """While the engine thread admits a request (its admission slowed here), a second one still fits a capacity of
+    two: the first is counted as handed over or as running, never as both."""
+    deliver = async_engine._deliver
+
+    def slow_admission(loop, fn, *args):
+        if fn is async_engine._settle:
+            time.sleep(0.3)
+        deliver(loop, fn, *args)
+
+    monkeypatch.setattr(async_engine, "_deliver", slow_admission)
+
+    async def scenario(runner):
+        first = asyncio.create_task(runner.generate([("a", [5, 6, 7], PARAMS)]))
+        await asyncio.sleep(0.1)  # the engine thread is admitting "a"
+        second = await runner.generate([("b", [5, 6, 7], PARAMS)])
+        outs = []
+        for stream in (await first, second):
+            outs.append([out async for out in stream])
+        return outs
+
+    runner = AsyncEngine(llm.engine, max_num_seqs=1, max_queue=1, metrics=Metrics())
+    try:
+        outs = asyncio.run(scenario(runner))
+    finally:
+        runner.shutdown()
+    assert [o[-1].finished for o in outs] == [True, True]
     assert all_pages_free(llm)
 
 
