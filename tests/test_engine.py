@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+import kdray.engine.engine as engine_module
 from kdray import SamplingParams
 from kdray.config import SpecConfig
 from kdray.engine.engine import Engine, RunnerFailure
@@ -473,6 +474,29 @@ def test_final_only_steps_report_the_finished_requests_text_made_once():
     assert [key(o) for o in final] == [key(o) for o in streamed]
     assert final[3].outputs[0].finish_reason == "stop" and final[3].outputs[0].text
     assert tok.calls <= 4 * len(prompts)  # the window, the context and the flush once per request, not per step
+
+
+@pytest.mark.parametrize("pieces", [2, 1024])
+def test_text_is_the_outputs_decode_cut_at_the_first_stop_string_streamed_or_not(monkeypatch, pieces):
+    """With stop strings or without, streamed or reported once, the text is the output tokens' decode cut at the first
+    stop string (kept with include_stop_str_in_output), also when a request's unreported text pieces are joined
+    every ``pieces``."""
+    monkeypatch.setattr(engine_module, "TEXT_PIECES", pieces)
+    seq = expected([1], 40)
+    text = AngleTokenizer().decode(seq)
+    stop = f"<{seq[30]}><{seq[31]}>"  # in the 31st and 32nd tokens (both in one step, or across two)
+    cases = [({}, text), ({"stop": "no such text"}, text),
+             ({"stop": ["<none>", stop]}, AngleTokenizer().decode(seq[:30])),
+             ({"stop": stop, "include_stop_str_in_output": True}, AngleTokenizer().decode(seq[:32])),
+             ({"stop": stop, "min_tokens": 33}, text)]  # the stop string ended before min_tokens: not a stop
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, **fields) for fields, _ in cases]
+    for accept in (1, 3):
+        tok = AngleTokenizer()
+        streamed = run(make_engine(FakeRunner(accept), tokenizer=tok, max_num_seqs=8), [[1]] * len(cases), params)
+        final = run_final_only(make_engine(FakeRunner(accept), tokenizer=tok, max_num_seqs=8), [[1]] * len(cases),
+                               params)
+        for (_, want), a, b in zip(cases, streamed, final):
+            assert a.outputs[0].text == b.outputs[0].text == want
 
 
 def test_host_work_per_token_does_not_grow_with_the_output_length():

@@ -376,7 +376,7 @@ def test_incremental_text_equals_whole_decode(both, backend):
             pieces.append(det.add(ids[at:at + step]))
             at += step
         pieces.append(det.flush())
-        assert "".join(pieces) == det.text == tok.decode(ids)
+        assert "".join(pieces) == tok.decode(ids)
 
 
 @pytest.mark.parametrize("backend", ["tiktoken", "tokenizers"])
@@ -384,7 +384,7 @@ def test_unfinished_character_is_held_back(both, backend):
     tok, byte_ids = both[backend]
     det = IncrementalDetokenizer(tok)
     assert [det.add([byte_ids[b]]) for b in "a方🙂".encode()] == ["a", "", "", "方", "", "", "", "🙂"]
-    assert det.add([byte_ids[0xE6]]) == "" and det.flush() == "\ufffd" and det.text == "a方🙂\ufffd"
+    assert det.add([byte_ids[0xE6]]) == "" and det.flush() == "\ufffd"
 
 
 @pytest.mark.parametrize("backend", ["tiktoken", "tokenizers"])

@@ -18,6 +18,8 @@ from kdray.model.tokenizer import IncrementalDetokenizer
 from kdray.spec.budget import BudgetPolicy
 from kdray.spec.grammar import Grammars, GrammarState
 
+TEXT_PIECES = 1024  # pieces of a request's unreported text kept before they are joined into one
+
 
 class RunnerFailure(RuntimeError):
     """The runner lost its state (a Ray actor died or failed mid-step); ``request_ids`` lists the requests
@@ -288,9 +290,8 @@ class Engine:
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None, stream: bool):
         """Append tokens one by one, stopping exactly where autoregressive decoding would (a stop needs
-        ``min_tokens`` tokens out). The text grows by incremental detokenization: with stop strings token by token
-        (a stop string is looked for only where new text could complete it), else once per call (``stream``) or
-        once the request has finished."""
+        ``min_tokens`` tokens out). The text grows by incremental detokenization (:meth:`_add_text`): with stop
+        strings token by token, else once per call (``stream``) or once the request has finished."""
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         p, detok = seq.params, seq.detokenizer
@@ -305,10 +306,8 @@ class Engine:
                 seq.cumulative_logprob += seq.logprobs[-1][t].logprob
             may_stop = len(out) >= p.min_tokens
             if by_token:
-                before = len(seq.text)
-                seq.text += detok.add([t])
                 seq.detokenized += 1
-                if may_stop and self._cut_at_stop(seq, before):
+                if self._add_text(seq, detok.add([t]), may_stop):
                     seq.finish_reason = "stop"
                     return
             if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids
@@ -321,35 +320,47 @@ class Engine:
         if detok is None:
             return
         if not by_token and (stream or seq.finished):
-            seq.text += detok.add(seq.output_ids[seq.detokenized:])
+            self._add_text(seq, detok.add(seq.output_ids[seq.detokenized:]), False)
             seq.detokenized = len(seq.output_ids)
         if seq.finished:
-            seq.text += detok.flush()
+            self._add_text(seq, detok.flush(), False)
 
     @staticmethod
-    def _cut_at_stop(seq: Sequence, before: int) -> bool:
-        """Whether a stop string ends in the text added after ``before`` characters; if so, cut the text there
-        (after the stop string with ``include_stop_str_in_output``)."""
-        window = max(0, before - max(map(len, seq.params.stop)) + 1)
-        hits = [(i, i + len(s)) for s in seq.params.stop if (i := seq.text.find(s, window)) >= 0]
-        if not hits:
-            return False
-        start, end = min(hits)  # the first stop string in the text
-        seq.text = seq.text[:end if seq.params.include_stop_str_in_output else start]
-        return True
+    def _add_text(seq: Sequence, new: str, may_stop: bool) -> bool:
+        """Append ``new`` to the request's text. With ``may_stop``, whether a stop string ends in the held text
+        followed by ``new`` (the last :func:`stop_hold` characters before ``new`` and ``new``: where new text can
+        complete one); if so, the text is cut there (after the stop string with ``include_stop_str_in_output``).
+        Else all but the last :func:`stop_hold` characters settle: each call costs the text it adds, never the
+        length of the text (a long output's text is never copied whole while it grows)."""
+        p = seq.params
+        text = seq.held + new
+        hits = [(i, i + len(s)) for s in p.stop if (i := text.find(s)) >= 0] if may_stop else []
+        if hits:
+            start, end = min(hits)  # the first stop string in the text
+            seq.held = text[:end if p.include_stop_str_in_output else start]
+            return True
+        settled = len(text) - stop_hold(p.stop)
+        if settled > 0:
+            seq.text.append(text[:settled])
+            text = text[settled:]
+            if len(seq.text) >= TEXT_PIECES:
+                seq.text[:] = ["".join(seq.text)]
+        seq.held = text
+        return False
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        """What the request added since its last output: its new token ids, log-probabilities and text (while it
-        runs, not the text's last :func:`stop_hold` characters, which a stop string may still cut), as of now its finish
-        and metrics. A request's first output carries everything so far, so one reported only once it finished is
-        whole; each costs what it carries, not the length of the output (its prompt log-probabilities are all in
-        once it has any: shared, never changed)."""
+        """What the request added since its last output: its new token ids, log-probabilities and settled text (the
+        held text too once it finished), as of now its finish and metrics. A request's first output carries
+        everything so far, so one reported only once it finished is whole; each costs what it carries, not the
+        length of the output (its prompt log-probabilities are all in once it has any: shared, never changed)."""
         asked = seq.params.logprobs is not None
-        ids, chars = seq.reported
-        shown = len(seq.text) if seq.finished else max(chars, len(seq.text) - stop_hold(seq.params.stop))
-        seq.reported = (len(seq.output_ids), shown)
+        ids, text = seq.reported, "".join(seq.text)
+        seq.text.clear()
+        if seq.finished:
+            text, seq.held = text + seq.held, ""
+        seq.reported = len(seq.output_ids)
         return RequestOutput(seq.request_id, seq.prompt_ids,
-                             [CompletionOutput(0, seq.text[chars:shown], seq.output_ids[ids:], seq.finish_reason,
+                             [CompletionOutput(0, text, seq.output_ids[ids:], seq.finish_reason,
                                                seq.cumulative_logprob if asked else None,
                                                seq.logprobs[ids:] if asked else None)],
                              seq.finished, seq.metrics(),

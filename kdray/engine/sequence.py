@@ -39,9 +39,10 @@ class Sequence:
     owed: int = 0  # of those, the ones that emit a token each: steps, and a new request's last prefill chunk
     detokenizer: IncrementalDetokenizer | None = None
     grammar: GrammarState | None = None  # structured_outputs: its matcher, at the committed output's end
-    text: str = ""
-    detokenized: int = 0  # output ids whose text is in ``text`` (but a held unfinished character)
-    reported: tuple[int, int] = (0, 0)  # output ids and characters of ``text`` its outputs have carried
+    text: list[str] = field(default_factory=list)  # settled text not in an output yet, in pieces
+    held: str = ""  # the text after it, which a stop string may still claim (at most its stop_hold characters)
+    detokenized: int = 0  # output ids whose text is made (but a held unfinished character)
+    reported: int = 0  # output ids its outputs have carried
     logprobs: list = field(default_factory=list)  # per output token {token id: Logprob}, when the request asks
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=lambda: [None])  # per prompt token scored so far (prompt_logprobs)

@@ -418,7 +418,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids or [])[-self.CONTEXT:]  # the window: settled context ids, then unsettled ones
         self.read = len(self.ids)  # ids[read:] are unsettled
         self.shown = 0  # characters of the unsettled ids' text already returned
-        self.text = ""  # everything returned so far
 
     def add(self, new_ids: list[int]) -> str:
         """Append ``new_ids``; the text that became final ("" while a character is unfinished)."""
@@ -449,7 +448,6 @@ class IncrementalDetokenizer:
         """Return the part of ``final`` (unsettled text no later id changes) not returned yet; then settle
         ``ids[read:settle]`` (whose text is ``settled``), keeping CONTEXT ids before the new read offset."""
         new = final[self.shown:]
-        self.text += new
         self.shown = len(final)
         if settle is not None:
             self.shown -= len(settled)
