@@ -338,8 +338,8 @@ class _Response:
 
         A running request's text is sent only as far as it is settled: not a tail that could still become a stop
         string (which is cut from the output) nor half a UTF-8 character (the engine's text is; the text of a reply
-        with tools, decoded here, is held back here). A tool call is sent with its id and name,
-        then its arguments as they grow."""
+        with tools, decoded here, is held back here). A tool call is sent with its id and name, then its arguments
+        as they grow."""
         content, calls, finish = self._reply(c, finished, sent)
         if not finished and self.tools is not None:  # the engine holds back its own text; this one is made here
             content = content[:len(content) - self.hold].rstrip("\ufffd")
