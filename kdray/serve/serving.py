@@ -294,11 +294,12 @@ class _Response:
         if self.tools is None:
             return c.text, [], c.finish_reason
         if sent is None:
-            text = self.tools.text(c.token_ids)
+            text, at = self.tools.text(c.token_ids), None
         else:
             sent.tool_text = sent.tool_text or ToolText(self.tools)
             text = sent.tool_text.text(c.token_ids, finished)
-        reply = self.tools.parse(text, finished)
+            at = sent.tool_text.first_call()
+        reply = self.tools.parse(text, finished, at)
         calls = reply.calls[:self.max_calls]
         if not finished:
             return reply.content, calls, None

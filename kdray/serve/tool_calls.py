@@ -96,9 +96,10 @@ class ToolCallParser:
                 run.append(i)
         return "".join(pieces) + self.tokenizer.decode(run)
 
-    def parse(self, text: str, final: bool) -> ParsedReply:
-        """The content and calls of ``text`` (from :meth:`text`); ``final`` once the reply has ended."""
-        at = text.find(self.start)
+    def parse(self, text: str, final: bool, at: int | None = None) -> ParsedReply:
+        """The content and calls of ``text`` (from :meth:`text`); ``final`` once the reply has ended; ``at``: where the
+        first call starts in it (-1: nowhere), when the caller knows (:meth:`ToolText.first_call`)."""
+        at = text.find(self.start) if at is None else at
         if at < 0:
             return ParsedReply(text if final else _hold(text, self.start), [])
         body = text[at:]
@@ -106,27 +107,37 @@ class ToolCallParser:
 
 
 class ToolText:
-    """:meth:`ToolCallParser.text` of a growing reply (a stream's), decoding only the ids added since the last call:
-    decoding the whole reply at every step made a reply of n tokens cost O(n^2). While the reply runs its text holds
-    back a character still unfinished; once it has ended it equals ``parser.text(ids)``."""
+    """:meth:`ToolCallParser.text` of a growing reply (a stream's), decoding only the ids added since the last call,
+    and where its first call starts, looked for only in the text added since (decoding the whole reply, or searching
+    all of it, at every step made a reply of n tokens cost O(n^2)). While the reply runs its text holds back a
+    character still unfinished; once it has ended it equals ``parser.text(ids)``."""
 
     def __init__(self, parser: ToolCallParser):
         self.parser, self.seen, self.settled = parser, 0, ""
         self._run = IncrementalDetokenizer(parser.tokenizer)  # the ids since the last marker
+        self._at, self._searched = -1, 0  # where the first call starts (-1: not yet), in the first _searched chars
 
     def text(self, ids: list[int], final: bool) -> str:
         """The text of ``ids`` (this reply's ids so far: those seen before, then new ones); ``final`` once it ended."""
-        markers = self.parser.markers
+        markers, new = self.parser.markers, []
         for i in ids[self.seen:]:
             if i in markers:
-                self.settled += self._run.flush() + markers[i]
+                new += [self._run.flush(), markers[i]]
                 self._run = IncrementalDetokenizer(self.parser.tokenizer)
             else:
-                self.settled += self._run.add([i])
+                new.append(self._run.add([i]))
         self.seen = len(ids)
         if final:
-            self.settled += self._run.flush()
+            new.append(self._run.flush())
+        self.settled += "".join(new)
         return self.settled
+
+    def first_call(self) -> int:
+        """Where the first call starts in :meth:`text` so far (-1: nowhere yet)."""
+        if self._at < 0:
+            self._at = self.settled.find(self.parser.start, max(0, self._searched - len(self.parser.start) + 1))
+            self._searched = len(self.settled)
+        return self._at
 
 
 def _text(value: str) -> dict:
