@@ -11,8 +11,8 @@ from kdray.actors.channel import WorkerFailure
 from kdray.engine.engine import RunnerFailure
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
 from kdray.serve.async_engine import EngineDead, EngineRestarted, QueueFull
-from kdray.serve.protocol import METADATA_FIELDS, APIError, ChatCompletionRequest, CompletionRequest, validate
-from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing, api_error
+from kdray.serve.protocol import METADATA_FIELDS, APIError, ChatCompletionRequest, CompletionRequest, sse, validate
+from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing, _Response, api_error
 
 CONTEXT = 64
 
@@ -165,3 +165,15 @@ def test_errors_are_typed_and_carry_no_exception_text(error, status, kind, code)
     assert "secret detail" not in body["message"] and "Error(" not in body["message"]
     if code == "queue_full":
         assert err.headers["Retry-After"] == "7"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_stream_chunk_is_the_event_of_its_whole_body(chat):
+    """The chunk events, their head encoded once per stream, are what ``sse`` makes of the whole chunk body."""
+    req = validate(ChatCompletionRequest if chat else CompletionRequest,
+                   {"model": 'm "1"\u2028', "stream": True, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                              if chat else {"prompt": "hi"})})
+    response = _Response('cmpl-"é"', 'm "1"\u2028', chat, req, 1, 3)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    choice = {"index": 0, "delta": {"content": 'a"\n\\😀\u2028'}, "logprobs": None, "finish_reason": None}
+    assert response._chunks(obj)(choice) == sse({**response._head(obj), "choices": [choice]})

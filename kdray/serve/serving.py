@@ -270,6 +270,11 @@ class _Response:
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
+    def _chunks(self, obj: str) -> Callable[[dict], str]:
+        """The SSE event of a chunk of one choice, its head (id, object, created, model) encoded once per stream."""
+        head = sse({**self._head(obj), "choices": []})[:-len("]}\n\n")]
+        return lambda choice: f"{head}{sse(choice)[len('data: '):-2]}]}}\n\n"
+
     def _choice(self, index: int, text: str | None, token_ids: list[int], finish: str | None, delta: bool,
                 tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
         if not self.chat:
@@ -390,6 +395,7 @@ class _Response:
         log-probabilities), then deltas, then the finish reason; ``first_token()`` is called as the first chunk
         with a generated token goes out."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = self._chunks(obj)
         sent = [_Sent() for _ in range(self.choices)]
         whole: dict[str, RequestOutput] = {}  # per choice: its outputs joined
         try:
@@ -397,7 +403,7 @@ class _Response:
                 if self.chat:
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
-                    yield sse({**self._head(obj), "choices": [first]})
+                    yield chunk(first)
             async for added in stream:
                 index = int(added.request_id.rsplit("-", 1)[1])
                 out = join_output(whole, added)
@@ -405,7 +411,7 @@ class _Response:
                     sent[index].echoed = True
                     logprobs = self._logprobs(*self._echoed(out), sent[index])
                     choice = self._choice(index, self.echo[index], [], None, True, logprobs=logprobs)
-                    yield sse({**self._head(obj), "choices": [choice]})
+                    yield chunk(choice)
                 c = self._sample(out)
                 text, tool_calls, finish = self._delta(c, out.finished, sent[index])
                 ids = c.token_ids[sent[index].ids:]
@@ -413,7 +419,7 @@ class _Response:
                 sent[index].ids = len(c.token_ids)
                 if text or ids or tool_calls or finish:
                     choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs)
-                    yield sse({**self._head(obj), "choices": [choice]})
+                    yield chunk(choice)
                     if ids and first_token is not None:
                         first_token()
                         first_token = None
