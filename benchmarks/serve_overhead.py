@@ -1,7 +1,8 @@
 """Host time the Serve side adds to every engine step, with the engine's own work taken away.
 
 A stand-in engine runs ``--batch`` requests for ``--steps`` steps: each step waits ``--step-ms`` (as for the GPU,
-the GIL released) and returns one output a request (one token, its text, made before the run). The real
+the GIL released) and returns one output a request (one token, its text and the engine's metrics: a 16-node tree a
+step, made before the run). The real
 :class:`~kdray.serve.async_engine.AsyncEngine` steps it and hands the outputs to the requests' streams; each stream is
 read by the real SSE path (``OpenAIServing``'s chat chunks, no tools) on the event loop, as the replica serves it.
 Printed per step: the CPU time of the engine thread (the AsyncEngine's bookkeeping and hand-over) and of the event
@@ -21,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
+from kdray.engine.engine import StepReport  # noqa: E402
 from kdray.engine.request import CompletionOutput, RequestOutput  # noqa: E402
+from kdray.engine.step import STAGES  # noqa: E402
 from kdray.serve.async_engine import AsyncEngine  # noqa: E402
 from kdray.serve.metrics import Metrics  # noqa: E402
 from kdray.serve.protocol import ChatCompletionRequest  # noqa: E402
@@ -44,6 +47,7 @@ class StandInEngine:
         self.pending: list[str] = []
         self.outputs: list[list[RequestOutput]] = []  # per step still to come
         self.batch, self.steps, self.cpu = batch, steps, 0.0
+        self.report = StepReport(dict.fromkeys(STAGES, step_s / len(STAGES)), [(NODES, 0)] * batch)
 
     def add_request(self, rid: str, ids: list[int], params):
         self.pending.append(rid)
@@ -71,9 +75,14 @@ class StandInEngine:
         return outs
 
 
+NODES = 16  # draft nodes a step
+
+
 def _output(rid: str, step: int, steps: int) -> RequestOutput:
     last = step == steps - 1
-    metrics = {"generated_tokens": step + 1, "scheduled_at": 0.0, "seconds": {}, "steps": 0, "tau": 0.0}
+    metrics = {"steps": step, "tau": 1.0, "accepted_tokens": step, "prompt_tokens": 3, "generated_tokens": step + 1,
+               "ttft": 0.0, "scheduled_at": 0.0, "seconds": dict.fromkeys(STAGES, 1e-3 * step),
+               "tree_sizes": {NODES: step}}
     return RequestOutput(rid, [1, 2, 3], [CompletionOutput(0, " word", [100 + step], "length" if last else None)],
                          last, metrics)
 

@@ -162,6 +162,31 @@ def test_a_request_being_admitted_counts_once_against_the_capacity(llm, monkeypa
     assert all_pages_free(llm)
 
 
+def test_the_step_metrics_count_what_the_engine_steps_did():
+    """Drafts, draft tokens and accepted tokens, and the stages' seconds, summed over the steps, are the requests'
+    own totals."""
+    ddtree = LLM(model="k2-tiny", device="cpu", drafter="random", spec="ddtree", budget=8, block_size=4)
+
+    async def scenario(runner):
+        streams = [await runner.generate([(rid, [5, 6, 7, i], PARAMS)]) for i, rid in enumerate("ab")]
+        whole = {}
+        for stream in streams:
+            async for out in stream:
+                join_output(whole, out)
+        return [whole["a"].metrics, whole["b"].metrics]
+
+    runner, metrics = run(ddtree.engine, scenario)
+    value = lambda name, **labels: runner.metrics.registry.get_sample_value(name, labels)  # noqa: E731
+    steps = sum(m["steps"] for m in metrics)
+    assert steps > 2 and value("kdray_spec_decode_num_drafts_total") == steps
+    assert value("kdray_spec_decode_num_draft_tokens_total") == sum(w * n for m in metrics
+                                                                    for w, n in m["tree_sizes"].items())
+    assert value("kdray_spec_decode_num_accepted_tokens_total") == sum(m["accepted_tokens"] - m["steps"]
+                                                                       for m in metrics)
+    assert value("kdray_step_seconds_sum", stage="verify") == pytest.approx(sum(m["seconds"]["verify"]
+                                                                                for m in metrics))
+
+
 def test_time_to_first_token_is_its_queue_and_prefill_parts(llm):
     async def scenario(runner):
         await collect(runner, "a")

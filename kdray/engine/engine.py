@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kdray.engine.request import MAX_BAN, CompletionOutput, Logprob, RequestOutput, SamplingParams, stop_hold
 from kdray.engine.scheduler import Scheduler
@@ -45,6 +45,15 @@ class _Launch:
     starts: list[int] | None = None  # prefill: where each chunk starts
 
 
+@dataclass
+class StepReport:
+    """What one :meth:`Engine.step` applied: each stage's seconds, and per sequence stepped (draft nodes it verified,
+    draft tokens it accepted)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    drafts: list[tuple[int, int]] = field(default_factory=list)
+
+
 class Engine:
     """Continuous batching over a runner: each ``step()`` prefills newly admitted requests and runs one
     speculative step for the rest, then reports every request that emitted tokens or finished."""
@@ -62,6 +71,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._seed_source = random.Random()
         self._inflight: list[_Launch] = []  # launched on the device, results not yet applied
+        self.report = StepReport()  # what the last step (or drain) applied
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; bad input raises ``ValueError`` naming the problem."""
@@ -132,6 +142,7 @@ class Engine:
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
+        self.report = StepReport()
         try:
             touched = []
             if any(launch.grammar for launch in self._inflight):
@@ -156,6 +167,7 @@ class Engine:
 
     def drain(self) -> list[RequestOutput]:
         """Apply the step still in flight without launching another (its pages come back)."""
+        self.report = StepReport()
         previous, self._inflight = self._inflight, []
         return [self._output(s) for s in self._collect(previous, None)]
 
@@ -219,6 +231,8 @@ class Engine:
             scores = result.prompt_logprobs or [None] * len(tokens)
             if not launch.prefill:
                 share = {k: v / len(launch.seqs) for k, v in result.seconds.items()}
+                for stage, s in result.seconds.items():
+                    self.report.seconds[stage] = self.report.seconds.get(stage, 0.0) + s
                 if self.policy is not None:
                     self.policy.observe(launch.nodes, result.masses, [len(t) for t in tokens], len(launch.seqs),
                                         sum(result.seconds.values()) or None, now - launch.at if now else None)
@@ -229,6 +243,7 @@ class Engine:
                     pass
                 elif not launch.prefill:
                     self._advance(seq, toks, share, launch.nodes, mass, lps, stream)
+                    self.report.drafts.append((launch.nodes, len(toks) - 1))  # the bonus token is no draft's
                     touched.append(seq)
                 else:
                     if scored:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kdray.engine.engine import RunnerFailure
 from kdray.engine.request import RequestOutput, SamplingParams
@@ -105,10 +105,6 @@ class _Live:
     prompt: list[int]
     params: SamplingParams
     first_token: float | None = None
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # already counted in the step metrics
-    steps: int = 0  # speculative steps, tokens they gave and draft nodes they verified, already counted
-    accepted: int = 0
-    nodes: int = 0
     retried: bool = False  # it ran again after a failed step that it had sent nothing from
 
 
@@ -303,21 +299,11 @@ class AsyncEngine:
                 self._fail_or_retry(rid, e)
             return
         now = time.perf_counter()
-        stages: dict[str, float] = {}
-        drafts: list[tuple[int, int]] = []  # per sequence stepped: (draft nodes verified, draft tokens accepted)
         handed: dict[asyncio.AbstractEventLoop, list] = {}  # per loop, its streams' outputs: one wake-up a step
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            # The engine splits each stage's time over the step's batch, so the increments add up to it.
-            for stage, total in out.metrics.get("seconds", {}).items():
-                stages[stage] = stages.get(stage, 0.0) + total - live.stage_seconds.get(stage, 0.0)
-                live.stage_seconds[stage] = total
-            if out.metrics.get("steps", 0) > live.steps:  # the bonus token is not a draft token
-                nodes = sum(w * n for w, n in out.metrics["tree_sizes"].items())
-                drafts.append((nodes - live.nodes, out.metrics["accepted_tokens"] - live.accepted - 1))
-                live.steps, live.accepted, live.nodes = out.metrics["steps"], out.metrics["accepted_tokens"], nodes
             if live.first_token is None and out.outputs[0].token_ids:
                 live.first_token = now
                 self.metrics.first_token(now - live.submitted, out.metrics["scheduled_at"] - live.submitted)
@@ -328,7 +314,7 @@ class AsyncEngine:
             handed.setdefault(live.loop, []).append((live.stream, out))
         for loop, items in handed.items():
             _deliver(loop, _put_all, items)
-        self.metrics.step(now - t0, stages, drafts)
+        self.metrics.step(now - t0, self.engine.report.seconds, self.engine.report.drafts)
 
     def _fail_or_retry(self, rid: str, error: RunnerFailure):
         """A request of a failed step: once, if it has sent nothing yet, it runs again; else it gets ``error``."""
