@@ -16,6 +16,15 @@ def test_cpu_and_unsupported_inputs_run_f_linear():
     assert torch.equal(out, torch.nn.functional.linear(xb.float(), wb.float()))
 
 
+def test_out_is_written_or_refused_naming_what_it_must_be():
+    x, w = torch.randn(3, 256), torch.randn(40, 256)
+    out = torch.full((3, 40), float("nan"))
+    assert skinny_linear(x, w, out=out) is out and torch.allclose(out, torch.nn.functional.linear(x, w))
+    for bad in (torch.empty(3, 41), torch.empty(40, 3).t(), torch.empty(3, 40, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of shape \(3, 40\)"):
+            skinny_linear(x, w, out=bad)
+
+
 def test_out_dtype_is_x_dtype_or_fp32():
     x, w = torch.randn(2, 256).bfloat16(), torch.randn(8, 256).bfloat16()
     with pytest.raises(ValueError, match="out_dtype"):
@@ -64,6 +73,16 @@ def test_cuda_matches_fp32_reference(N, K, dtype):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         poison_allocator()
         torch.testing.assert_close(skinny_linear(x, w), reference(x, w), rtol=2 ** -7, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5])  # the kernel, cuBLAS
+def test_cuda_out_is_written_as_a_new_tensor_would_be(M):
+    g = torch.Generator("cuda").manual_seed(M)
+    x = torch.randn(M, 7168, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(7168, 512, device="cuda", generator=g) / 512 ** 0.5).bfloat16().t().contiguous()
+    out = torch.full((M, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert skinny_linear(x, w, out=out) is out and torch.equal(out, skinny_linear(x, w))
 
 
 @pytest.mark.gpu

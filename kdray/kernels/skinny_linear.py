@@ -55,21 +55,32 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in ``out_dtype``: x's dtype (None) or float32."""
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in ``out_dtype``: x's dtype (None) or float32; written into
+    ``out`` (contiguous, x's dtype) when given, else into a new tensor."""
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"skinny_linear's out_dtype is x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
-    splits = kernel_splits(*w.shape, x.device) if fits(x, w) else 0
-    if not splits:
-        return skinny_linear_reference(x, w, out_dtype)
     N, K = w.shape
+    if out is not None and (out_dtype not in (None, x.dtype) or out.dtype != x.dtype or not out.is_contiguous()
+                            or out.shape != (*x.shape[:-1], N) or out.device != x.device):
+        raise ValueError(f"skinny_linear's out must be a contiguous {x.dtype} tensor of shape "
+                         f"{(*x.shape[:-1], N)} on {x.device}, got {out.dtype} {tuple(out.shape)} on {out.device} "
+                         f"(contiguous: {out.is_contiguous()}), with out_dtype None")
+    splits = kernel_splits(*w.shape, x.device) if fits(x, w) and (out is None or out.data_ptr() % 16 == 0) else 0
+    if not splits:
+        if out is None:
+            return skinny_linear_reference(x, w, out_dtype)
+        torch.mm(x.reshape(-1, K), w.t(), out=out.view(-1, N))
+        return out
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     fp32_out = out_dtype == torch.float32
-    y = torch.empty(x2.shape[0], N, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)  # [M, N]
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32 if fp32_out else x.dtype, device=x.device) \
+        if out is None else out.view(-1, N)  # [M, N]
     _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out)
-    return y.view(*x.shape[:-1], N)
+    return y.view(*x.shape[:-1], N) if out is None else out
 
 
 def skinny_bmm_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

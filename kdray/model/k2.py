@@ -202,12 +202,14 @@ class MoE(nn.Module):
         shared, side = None, None
         if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
             if x.is_cuda and cfg.quantization is not None:  # beside the routing and the routed experts
+                # Allocated on this stream, which reads it once the MoE's finalize has waited for the side stream:
+                # a block two streams use (record_stream) is not reused until a CUDA graph's capture ends, so a
+                # captured 64k-token pass held each layer's 0.9 GB and ran out of memory.
+                shared = torch.empty_like(x)  # [T, H]
                 side = _side_stream(x.device)  # (forked after the router: the router goes first on the GPU)
                 side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):  # (no-op for None)
-                shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight)  # [T, H]
-            if side is not None:  # made on the side stream, read on this one (the MoE's finalize waits for it)
-                shared.record_stream(torch.cuda.current_stream(x.device))
+                shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight, out=shared)
         routing = (logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    cfg.norm_topk_prob, cfg.routed_scaling_factor, (self.e0, self.experts) if self.ep else None)
         if self.cfg.quantization is None:
