@@ -2,11 +2,11 @@
 
 A stand-in engine runs ``--batch`` requests for ``--steps`` steps: each step waits ``--step-ms`` (as for the GPU,
 the GIL released) and returns one output a request (one token, its text and the engine's metrics: a 16-node tree a
-step, made before the run). The real
-:class:`~kdray.serve.async_engine.AsyncEngine` steps it and hands the outputs to the requests' streams; each stream is
-read by the real SSE path (``OpenAIServing``'s chat chunks, no tools) on the event loop, as the replica serves it.
-Printed per step: the CPU time of the engine thread (the AsyncEngine's bookkeeping and hand-over) and of the event
-loop (the streams' chunks), and the wall time over the wait (what the host adds to the step).
+step, made before the run). The real :class:`~kdray.serve.async_engine.AsyncEngine` steps it and hands the outputs
+to the requests' streams; each stream is read by the real SSE path (``OpenAIServing``'s chat chunks, no tools) on
+the event loop, as the replica serves it. Printed per step: the CPU time of the engine thread (the AsyncEngine's
+bookkeeping and hand-over) and of the event loop (the streams' chunks), and the wall time over the wait (what the
+host adds to the step).
 
     python benchmarks/serve_overhead.py --batch 64 256 1024
 """
@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import datetime
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -120,7 +119,7 @@ def main():
         rows.append([str(b), f"{r['engine_ms']:.3f}", f"{1e3 * r['engine_ms'] / b:.2f}", f"{r['loop_ms']:.3f}",
                      f"{1e3 * r['loop_ms'] / b:.2f}", f"{r['added_ms']:.3f}", f"{r['chunks']:.0f}"])
     print(f"\n# {datetime.date.today()} serve_overhead: {args.steps} steps of {args.step_ms} ms, one token a request a "
-          f"step, threads: {threading.active_count()}")
+          "step")
     print_table(rows, ["batch", "engine thread CPU ms / step", "us / output", "event loop CPU ms / step",
                        "us / output", "wall over the wait ms / step", "chunks / stream"])
 

@@ -168,12 +168,7 @@ def test_the_step_metrics_count_what_the_engine_steps_did():
     ddtree = LLM(model="k2-tiny", device="cpu", drafter="random", spec="ddtree", budget=8, block_size=4)
 
     async def scenario(runner):
-        streams = [await runner.generate([(rid, [5, 6, 7, i], PARAMS)]) for i, rid in enumerate("ab")]
-        whole = {}
-        for stream in streams:
-            async for out in stream:
-                join_output(whole, out)
-        return [whole["a"].metrics, whole["b"].metrics]
+        return [out.metrics for out in await asyncio.gather(collect(runner, "a"), collect(runner, "b"))]
 
     runner, metrics = run(ddtree.engine, scenario)
     value = lambda name, **labels: runner.metrics.registry.get_sample_value(name, labels)  # noqa: E731
