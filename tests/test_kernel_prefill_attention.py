@@ -139,11 +139,12 @@ def mla_parts(lens, prefixes, H, dtype, device, seed=3):
     return q, k_nope, k_pe, v, cu_q, cu_k, k_lens, k
 
 
-def check_mla(lens, prefixes, H, dtype, device, tol, per_prompt=48, kernel=False):
-    """mla_prefill_attention (or with ``kernel``, the tensor-core kernel whatever the lengths) against float64."""
+def check_mla(lens, prefixes, H, dtype, device, tol, per_prompt=48, kernel=False, splits=None):
+    """mla_prefill_attention (or with ``kernel``, the tensor-core kernel whatever the lengths, its key runs as
+    ``splits`` says if given) against float64."""
     q, k_nope, k_pe, v, cu_q, cu_k, k_lens, k = mla_parts(lens, prefixes, H, dtype, device)
     if kernel:
-        out = pa._mla_prefill_cuda(q, k_nope, k_pe, v, cu_q, cu_k, len(lens), 0.07)
+        out = pa._mla_prefill_cuda(q, k_nope, k_pe, v, cu_q, cu_k, lens, k_lens, 0.07, splits)
     else:
         out = mla_prefill_attention(q, k_nope, k_pe, v, cu_q, lens, 0.07, cu_k, k_lens)
     assert out.shape == (sum(lens), H, 128) and out.dtype == dtype
@@ -187,6 +188,34 @@ def test_mla_kernel_matches_float64(lens, prefixes, H):
         pytest.skip("mla_prefill_mma is a Hopper (sm_90a) kernel")
     assert pa._mla_kernel_takes(*mla_parts([1], [0], 8, torch.bfloat16, "cuda")[:4])  # it takes the layer's views
     check_mla(lens, prefixes, H, torch.bfloat16, "cuda", 2e-2, kernel=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,prefixes,splits", [
+    ([1024], [0], (16, 1)),  # every key tile a CTA of its own
+    ([1000, 1, 130], [0, 0, 0], (4, 4)),  # runs where only the long prompt's tiles split
+    ([1000, 77], [0, 0], (2, 3)),  # more tiles than runs: the last run takes the rest (a graph replayed longer)
+    ([300, 2048], [2100, 16], (7, 5)),  # chunks after cached tokens: runs start inside the cache
+    ([64, 129], [0, 0], (3, 2)),  # runs a warpgroup sees no key of (past its rows' diagonal)
+])
+def test_mla_kernel_key_runs_match_float64(lens, prefixes, splits):
+    """A query tile's keys cut into runs, each a CTA of its own, merged by mla_prefill_combine."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("mla_prefill_mma is a Hopper (sm_90a) kernel")
+    check_mla(lens, prefixes, 8, torch.bfloat16, "cuda", 2e-2, per_prompt=400, kernel=True, splits=splits)
+
+
+def test_key_runs_only_where_the_tiles_leave_sms_idle():
+    assert pa._key_tiles([1024], [1024]) == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert pa._key_tiles([200], [1200]) == [18, 19]  # after 1000 cached keys
+    # a CTA for every SM already, too few keys to pay, or too little gain (one prompt of 1-2k tokens)
+    for lens in ([3072], [4096], [2048] * 8, [128], [512], [1024], [2048]):
+        assert pa._key_splits(tuple(lens), tuple(lens), 8, 132) == (1, max(pa._key_tiles(lens, lens)))
+    for lens, prefixes in (([1024], [16384]), ([256], [4096]), ([512, 24], [1536, 0]), ([64], [16384])):
+        k_lens = tuple(p + n for p, n in zip(prefixes, lens))
+        n_splits, per = pa._key_splits(tuple(lens), k_lens, 8, 132)
+        longest = max(pa._key_tiles(lens, k_lens))
+        assert 1 < n_splits <= pa.MAX_RUNS and (n_splits - 1) * per < longest <= n_splits * per
 
 
 @pytest.mark.gpu

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import kdray.kernels.tree_verify_attention as tva
 from kdray.kernels.mla_rope_cache import mla_rope_cache
-from kdray.kernels.tree_verify_attention import (_combine_cols, _grid_splits, _mma_smem_bytes, _num_splits,
-                                                 _tree_attention_cuda, gqa_tree_attention, mla_tree_attention,
+from kdray.kernels.tree_verify_attention import (_grid_splits, _mma_smem_bytes, _num_splits, _tree_attention_cuda,
+                                                 combine_cols, gqa_tree_attention, mla_tree_attention,
                                                  tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
@@ -144,10 +144,10 @@ def test_launch_geometry():
     assert _num_splits(140, 2, 132) == 2  # at most one split per key tile
     assert _num_splits(133, 65, 132) == 4  # none reaches 85%: the fullest last wave (4 splits, 81%)
     assert _num_splits(8, 3, 132) == 3  # never more splits than key tiles
-    assert _combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
-    assert _combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
-    assert _combine_cols(16640, 512, 132) == 256
-    assert _combine_cols(3, 64, 132) == 32
+    assert combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
+    assert combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
+    assert combine_cols(16640, 512, 132) == 256
+    assert combine_cols(3, 64, 132) == 32
 
 
 def test_a_ragged_batch_gets_the_splits_of_its_longest_sequence():
@@ -351,7 +351,7 @@ COMBINE_CASES = [("mla", vw) for vw in (32, 64, 128, 256)] + [("llama", vw) for 
 def test_every_combine_width_matches_reference(form, vw, monkeypatch):
     """tva_combine at each width of value columns per warp (the host picks one by the row count), on ragged
     sequences of split and unsplit keys."""
-    monkeypatch.setattr(tva, "_combine_cols", lambda rows, dv, sms: vw)
+    monkeypatch.setattr(tva, "combine_cols", lambda rows, dv, sms: vw)
     hkv, d, hq = (None, MLA_DK, 8) if form == "mla" else (8, 128, 32)
     scale = 0.13
     case = make_case([16, 1, 3, 40], [5000, 2100, 0, 700], heads=hq, kv_heads=hkv, head_dim=d, page_size=64,

@@ -27,14 +27,19 @@ GPU) run the reference: one SDPA per prompt on 4-D tensors (fused kernels where 
 MLA's layers call :func:`mla_prefill_attention` with the keys in their two parts (the per-head nope columns of kv_b's
 output, the rope column shared by the heads). On Hopper in bf16 at K2's head dims it is one launch of our kernel
 (``cuda/prefill_attention.cu``), which reads both parts and the values where they lie, so no ``[keys, heads, 192]``
-key tensor is built; elsewhere, and for prompts all of ``MLA_CUDNN_PROMPT`` tokens or more, it builds that tensor and
+key tensor is built; where a batch has too few query tiles to keep every SM busy and long runs of keys each (a chunk
+after many cached keys) the tiles' keys are cut into runs, a CTA each, and a second launch merges them
+(:func:`_key_splits`); elsewhere, and for prompts all of ``MLA_CUDNN_PROMPT`` tokens or more, it builds that tensor and
 calls :func:`prefill_attention`. On the H200 at K2's TP8-shard dims (8 heads), graph-replayed, against the joined keys
 and the paths above (``benchmarks/bench_kernels.py --only prefill``): one prompt of 1k tokens 29.5-31.0 against
 33.4-37 us, 4k 99-101 against 151, 16k 1.28-1.29 against 1.27 ms, 64k 21.9 against 19.0 ms; 8 x 2048 tokens 208
-against 425 us; 2048 new tokens after 16,384 cached 0.37 against 0.88 ms.
+against 425 us; 2048 new tokens after 16,384 cached 0.37 against 0.88 ms; 1024 after 16,384 cached 201 us in 2 runs a
+tile against 347 in one (and 0.85 ms on joined keys).
 """
 from __future__ import annotations
 
+import functools
+import heapq
 from itertools import accumulate
 
 import numpy as np
@@ -42,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kdray.kernels.cuda_module import launch
+from kdray.kernels.cuda_module import launch, sm_count
+from kdray.kernels.tree_verify_attention import combine_cols
 
 MAX_FLASH_HEAD_DIM = 256  # FlashAttention's largest head dim
 LONG_PROMPT = 2048  # MLA batches whose prompts are all at least this long run through cuDNN, one call each
@@ -54,6 +60,13 @@ MLA_KERNEL_DIMS = (128, 64, 128)  # (nope, rope, value) head dims of mla_prefill
 MLA_CUDNN_PROMPT = 16384
 _ROWS = 128  # query rows per CTA of mla_prefill_mma (MP_ROWS in cuda/prefill_attention.cu), 64 a warpgroup
 _MLA_SMEM = (4 * 64 * sum(MLA_KERNEL_DIMS) + _ROWS * sum(MLA_KERNEL_DIMS[:2])) * 2 + 64  # 4 stages of keys and values, Q, mbarriers
+_KEY_TILE = 64  # keys per tile of mla_prefill_mma (BN)
+# mla_prefill_mma's key runs (_key_splits), times in key tiles of one CTA (~1.4 us on the H200), fitted to the kernel's
+# times at 512-4096 tokens and chunks after cached keys over run lengths (benchmarks/RESULTS.md, issue 21):
+RUN_COST = 5.0  # a CTA's fixed time: its queries, the pipeline's start and drain, its output
+MERGE_COST = 6.0  # mla_prefill_combine's, when some query tile's keys take more than one run
+MAX_RUNS = 8  # runs a query tile at most
+CUT_GAIN = 0.75  # keys are cut only where that is estimated to take at most this share of the uncut grid's time
 
 
 def per_prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], scale: float,
@@ -147,22 +160,74 @@ def mla_prefill_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Ten
            for c in (cu, cu_k)):
         raise ValueError(f"mla_prefill_attention: cu and cu_k must be int32 [{len(q_lens) + 1}] on "
                          f"{q.device}")
-    return _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, len(q_lens), scale)
+    return _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, q_lens, k_lens, scale)
 
 
-def _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, B: int, scale: float) -> torch.Tensor:
-    """One launch of mla_prefill_mma (checked by the caller) -> ``[T, H, Dv]``."""
+def _key_tiles(q_lens: list[int], k_lens: list[int]) -> list[int]:
+    """Key tiles of each 128-row query tile of mla_prefill_mma (up to its last row's diagonal), for prompts of
+    ``q_lens`` queries after ``k_lens - q_lens`` cached keys."""
+    return [-(-min(k, t + min(_ROWS, q - t) + k - q) // _KEY_TILE)
+            for q, k in zip(q_lens, k_lens) for t in range(0, q, _ROWS)]
+
+
+@functools.lru_cache(maxsize=256)
+def _key_splits(q_lens: tuple[int, ...], k_lens: tuple[int, ...], heads: int, sms: int) -> tuple[int, int]:
+    """(runs a query tile at most, key tiles a run) for mla_prefill_mma on ``sms`` SMs (one CTA each): the cut of the
+    longest tile's keys into 1 to ``MAX_RUNS`` runs whose grid is estimated to end first, if that takes at most
+    ``CUT_GAIN`` of the uncut grid's time. The estimate takes the CTAs longest first, as the grid does, each onto the
+    SM that frees first, a CTA costing its run plus ``RUN_COST``, and adds ``MERGE_COST`` where some tile took more
+    than one run. A grid with a CTA for every SM is not cut: one prompt of 3072 or 4096 tokens ran 18-31% slower cut
+    (H200). Nor are one prompt's 1-2k tokens (estimated 0.8-0.9 of uncut): their kernel gained 1-4 us a layer, their
+    61-layer passes nothing measurable. Chunks after many cached keys are: 1024 new tokens after 16,384 cached, 8
+    query tiles of 265-272 key tiles a head, take 2 runs a tile (the attention 347 -> 201 us a layer).
+    """
+    tiles = _key_tiles(q_lens, k_lens)
+    if not tiles:
+        return 1, 1
+    longest = max(tiles)
+    if heads * len(tiles) >= sms:
+        return 1, longest
+
+    def estimate(per: int) -> float:
+        runs = [min(per, n - per * i) for n in tiles for i in range(-(-n // per))] * heads
+        free = [0.0] * sms  # when each SM is next free
+        for run in sorted(runs, reverse=True):
+            heapq.heappush(free, heapq.heappop(free) + run + RUN_COST)
+        return max(free) + (MERGE_COST if len(runs) > heads * len(tiles) else 0.0)
+
+    per = min(sorted({-(-longest // n) for n in range(1, MAX_RUNS + 1)}, reverse=True), key=estimate)
+    if estimate(per) > CUT_GAIN * estimate(longest):
+        return 1, longest
+    return -(-longest // per), per
+
+
+def _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, q_lens: list[int], k_lens: list[int], scale: float,
+                      splits: tuple[int, int] | None = None) -> torch.Tensor:
+    """mla_prefill_mma (checked by the caller), and mla_prefill_combine where a query tile's keys are cut in runs
+    (``splits``: (runs a tile at most, key tiles a run), else as :func:`_key_splits` says) -> ``[T, H, Dv]``."""
     T, H, _ = q.shape
-    out = torch.empty(T, H, v.shape[-1], dtype=q.dtype, device=q.device)  # [T, H, Dv]
+    dv, dev = v.shape[-1], q.device
+    B = len(q_lens)
+    n_splits, per = splits or _key_splits(tuple(q_lens), tuple(k_lens), H, sm_count(dev.index))
+    out_bytes, o_bytes = T * H * dv * 2, n_splits * T * H * dv * 2
+    ws_bytes = o_bytes + n_splits * T * H * 8 if n_splits > 1 else 0
+    buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=dev)  # output | [n_splits] partials, (m, l)
+    out = buf[:out_bytes].view(q.dtype).view(T, H, dv)  # [T, H, Dv]
     if T == 0:
         return out
     i32 = np.int32
+    ws_o, ws_ml = (buf[out_bytes:out_bytes + o_bytes], buf[out_bytes + o_bytes:]) if ws_bytes else (0, 0)  # 0: null
     tiles = -(-T // _ROWS) + min(B, T) - 1  # >= the prompts' ceil(q_len / 128) summed
-    launch("prefill_attention", "mla_prefill_mma", (H, tiles), (256,),
-           (q, k_nope, k_pe, v, cu, cu_k, out, i32(B), i32(H), i32(q.stride(0)), i32(k_nope.stride(0)),
-            i32(k_nope.stride(1)), i32(k_pe.stride(0)), i32(v.stride(0)), i32(v.stride(1)),
-            np.float32(scale * 1.4426950408889634)),  # scale * log2(e)
-           shared_mem=_MLA_SMEM, device=q.device)
+    launch("prefill_attention", "mla_prefill_mma", (H, tiles * n_splits), (256,),
+           (q, k_nope, k_pe, v, cu, cu_k, out, ws_o, ws_ml, i32(B), i32(T), i32(H), i32(q.stride(0)),
+            i32(k_nope.stride(0)), i32(k_nope.stride(1)), i32(k_pe.stride(0)), i32(v.stride(0)), i32(v.stride(1)),
+            np.float32(scale * 1.4426950408889634), i32(n_splits), i32(per)),  # scale * log2(e)
+           shared_mem=_MLA_SMEM, device=dev)
+    if n_splits > 1:
+        vw = combine_cols(T * H, dv, sm_count(dev.index))
+        launch("prefill_attention", "mla_prefill_combine", (-(-T * H * (dv // vw) // 4),), (128,),
+               (ws_o, ws_ml, out, cu, cu_k, i32(B), i32(T), i32(H), i32(n_splits), i32(per), i32(vw)),
+               shared_mem=4 * 2 * n_splits * 4, device=dev)
     return out
 
 

@@ -176,8 +176,9 @@ def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
     return next((s for s, f in fill.items() if f >= WAVE_FILL), max(fill, key=fill.get))
 
 
-def _combine_cols(rows: int, dv: int, sms: int) -> int:
-    """Value columns per ``tva_combine`` warp: the widest that still gives every SM ~8 warps, at least 32."""
+def combine_cols(rows: int, dv: int, sms: int) -> int:
+    """Value columns per warp of a split-K combine (``tva_combine``, ``mla_prefill_combine``): the widest that still
+    gives every SM ~8 warps, at least 32."""
     return next((vw for vw in (256, 128, 64) if dv % vw == 0 and rows * (dv // vw) >= 8 * sms), 32)
 
 
@@ -265,7 +266,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
            inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits), i32(early_prefix)),
            shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
     if n_splits > 1:
-        vw = _combine_cols(T * hq, dv, sm_count(dev.index))
+        vw = combine_cols(T * hq, dv, sm_count(dev.index))
         launch(_MODULE, "tva_combine", (-(-T * hq * (dv // vw) // 4),), (128,),
                (ws_o, ws_ml, out, cu_q, prefix_lens, i32(B), i32(T), i32(hq), i32(dv), i32(n_splits), i32(vw)),
                shared_mem=4 * 2 * n_splits * 4, device=dev, defines=defines)

@@ -36,7 +36,10 @@ LATENT_NORM_EPS = 1e-6
 # Prompt chunks after cached tokens of at least this many new tokens each run attention in the plain form over the
 # cached and new positions (their latent rows expanded by kv_b), fewer in the absorbed form. H200, K2 TP8 shard, the
 # 61-layer pass from a CUDA graph, plain (mla_prefill_mma) against absorbed: 16,384 cached + 1024 new 67.1 against
-# 86.4 ms; + 512 new 56.3 against 54.9; 2048 cached + 512 new 36.3 against 37.8; + 256 new 34.4 against 34.1.
+# 86.4 ms (59.5 with the keys in runs); + 512 new 56.3 against 54.9 (42.9-43.3 in runs); 2048 cached + 512 new 36.3
+# against 37.8 (35.0-35.1 in runs); + 256 new 34.4 against 34.1. Shorter chunks stay absorbed even so: the engine runs
+# these passes eagerly (a lone chunk of up to 2048 tokens replays from a graph, absorbed), where the shard's launches
+# bound them (85-145 ms a pass either way), and the plain form's expansion grows with every cached key.
 PLAIN_CHUNK_TOKENS = 1024
 
 

@@ -13,7 +13,10 @@
 // a stage is refilled two tiles after that, so a warpgroup waits for the other only when it is two tiles behind.
 // (With a CTA-wide barrier every tile, the H200 spent a third of its issue stalls there, at 44% of the tensor pipe.)
 // The grid takes the tiles heaviest first (the last rows of the longest prompt see the most keys), so the causal
-// triangle's short tiles fill the last wave.
+// triangle's short tiles fill the last wave. Where a batch has too few tiles to fill the GPU, each with many keys (a
+// chunk of 1024 tokens after 16,384 cached: 64 CTAs for 132 SMs, each over ~270 key tiles), the host cuts each tile's
+// keys into runs of `per` key tiles, one CTA a run (flash-decoding's split), and mla_prefill_combine merges the runs'
+// partials.
 #include <cuda_bf16.h>
 
 #include "griddep.cuh"
@@ -28,23 +31,42 @@ constexpr int MP_BAR_OFF = MP_Q_OFF + MP_ROWS * MP_DK * 2;               // full
 constexpr int MP_SMEM = MP_BAR_OFF + 2 * MP_STAGES * 8;                  // ~208 KB: one CTA an SM
 static_assert(MP_ROWS * MP_DV * 2 <= MP_SMEM, "the staged output tile fits");
 
+// Key tiles of query tile `tile` of a prompt of q_len queries after k_len - q_len cached keys: up to its last row's
+// diagonal.
+__device__ __forceinline__ int mp_key_tiles(int q_len, int k_len, int tile) {
+  const int rows = min(MP_ROWS, q_len - tile * MP_ROWS);
+  return (min(k_len, tile * MP_ROWS + rows + k_len - q_len) + BN - 1) / BN;
+}
+// Runs of a tile of nb key tiles: `per` each, at most n_splits (the last takes the rest).
+__device__ __forceinline__ int mp_runs(int nb, int n_splits, int per) { return min(n_splits, (nb + per - 1) / per); }
+
 // q [T, H, 192] (rows q_row apart), k_nope [Tk, H, 128] (k_row, k_head), k_pe [Tk, 64] (pe_row), v [Tk, H, 128]
 // (v_row, v_head), element strides, each a multiple of 8 and every pointer 16-byte aligned; cu_q / cu_k [B + 1]: the
 // prompts' query and key rows (query i of prompt b sees its keys 0 .. i + k_len - q_len); out [T, H, 128].
-// Launch: grid (H, tiles >= sum over prompts of ceil(q_len / 128)), block MP_THREADS, shared MP_SMEM bytes.
+// Key splits: with n_splits > 1, query tile `tile` of a prompt has nb key tiles (mp_key_tiles) in runs of `per`, the
+// last run taking the rest past n_splits * per; run s of a tile split in more than one (mp_runs) writes its rows,
+// each normalised by its own sum, to ws_o [n_splits, T * H, 128] and their (max in log2 units, sum) to ws_ml
+// [n_splits, T * H] for mla_prefill_combine; a tile of one run writes out.
+// Launch: grid (H, tiles * n_splits), tiles >= sum over prompts of ceil(q_len / 128), block MP_THREADS, shared
+// MP_SMEM bytes.
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 1) mla_prefill_mma(
     const bf16* __restrict__ q, const bf16* __restrict__ k_nope, const bf16* __restrict__ k_pe,
     const bf16* __restrict__ v, const int* __restrict__ cu_q, const int* __restrict__ cu_k, bf16* __restrict__ out,
-    int B, int H, int q_row, int k_row, int k_head, int pe_row, int v_row, int v_head, float scale_log2) {
+    bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int B, int T, int H, int q_row, int k_row, int k_head,
+    int pe_row, int v_row, int v_head, float scale_log2, int n_splits, int per) {
 #ifdef ATTN_WGMMA
   griddep_begin();
   extern __shared__ __align__(1024) unsigned char smem[];
   const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
+  const int index = gridDim.y - 1 - blockIdx.y, split = index % n_splits;  // heaviest tiles first
   int b, tile;
-  if (!find_tile<MP_ROWS>(cu_q, B, 1, gridDim.y - 1 - blockIdx.y, b, tile)) return;  // heaviest first
+  if (!find_tile<MP_ROWS>(cu_q, B, 1, index / n_splits, b, tile)) return;
   const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, kb0 = cu_k[b], k_len = cu_k[b + 1] - kb0;
   const int off = k_len - q_len, rows = min(MP_ROWS, q_len - tile * MP_ROWS);
-  const int nb = (min(k_len, tile * MP_ROWS + rows + off) + BN - 1) / BN;  // key tiles up to the last row's diagonal
+  const int nb_all = mp_key_tiles(q_len, k_len, tile), runs = mp_runs(nb_all, n_splits, per);
+  if (split >= runs) return;
+  const int k_first = split * per;  // this CTA's key tiles: k_first .. k_first + nb - 1
+  const int nb = split == runs - 1 ? nb_all - k_first : per;
 
   // Stage i: keys at sK0 + i * MP_STAGE, their values MP_K_BYTES after; then Q (a 64-row tile a warpgroup), the
   // mbarriers: full[i] (256 arrivals: every thread's copies of the stage landed), empty[i] (8: every warp has read it).
@@ -59,10 +81,10 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 1) mla_prefill_mma(
   }
   // Four threads a key row (chunk c = fs + 4 i): its 16 nope + 8 rope chunks, its value row's 16; two a query row.
   const int fr = tid >> 2, fs = tid & 3;
-  auto load_kv = [&](int kb) {  // tile kb into stage kb % MP_STAGES, once tile kb - MP_STAGES has left it
+  auto load_kv = [&](int kb) {  // the run's tile kb into stage kb % MP_STAGES, once tile kb - MP_STAGES has left it
     const int st = kb % MP_STAGES;
     if (kb >= MP_STAGES) mbar_wait(empty + 8 * st, ((kb / MP_STAGES) - 1) & 1);
-    const int p = kb * BN + fr;
+    const int p = (k_first + kb) * BN + fr;
     const bool ok = p < k_len;
     const long long key = kb0 + (ok ? p : 0);
     const u32 dk = sK0 + st * MP_STAGE, dv = dk + MP_K_BYTES;
@@ -100,8 +122,9 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 1) mla_prefill_mma(
 #pragma unroll
   for (int i = 0; i < MP_DV / 2; ++i) o[i] = 0.f;
   // Both warpgroups run all nb tiles (the first one's last tile is past its rows' diagonal: masked whole, it adds
-  // nothing), so that every warp arrives on every stage's empty barrier and no branch surrounds the products.
-  const int diag = tile * MP_ROWS + BM * wg + off;  // this warpgroup's first row's last visible key
+  // nothing; so may be a run's every tile), so that every warp arrives on every stage's empty barrier and no branch
+  // surrounds the products. Key positions below are relative to the run's first.
+  const int diag = tile * MP_ROWS + BM * wg + off - k_first * BN;  // this warpgroup's first row's last visible key
 
   // S = Q K^T of tile kb once its stage is full, issued as one wgmma group (its fence also covers a P V issued right
   // after it).
@@ -174,15 +197,44 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 1) mla_prefill_mma(
 
   quad_sum(l);
   __syncthreads();  // every warp is past its last product: the output tile [128 rows][256 B] takes the ring's place
-  stage_rows<MP_DV>(smem + wg * BM * MP_DV * 2, o, l, r0, t4, 0, MP_DV * 2);
+  stage_rows<MP_DV>(smem + wg * BM * MP_DV * 2, o, l, r0, t4, 0, MP_DV * 2);  // a run may hold no key a row sees
+  const long long rows_total = (long long)T * H, row0 = (long long)(q0 + tile * MP_ROWS) * H + h;  // row r: + r * H
+  bf16* const dst = runs == 1 ? out : ws_o + split * rows_total * MP_DV;
+  if (runs > 1 && t4 == 0) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = BM * wg + r0 + 8 * e;
+      if (r < rows) ws_ml[split * rows_total + row0 + (long long)r * H] = make_float2(m[e], l[e]);
+    }
+  }
   __syncthreads();
   constexpr int CH = MP_DV / 8;  // 16-byte chunks a row
   for (int it = tid; it < rows * CH; it += MP_THREADS) {
     const int r = it / CH, c = it % CH;  // (o_swz: the swizzle repeats every 8 rows, so 128 rows index as 64)
-    *reinterpret_cast<uint4*>(out + ((long long)(q0 + tile * MP_ROWS + r) * H + h) * MP_DV + c * 8) =
+    *reinterpret_cast<uint4*>(dst + (row0 + (long long)r * H) * MP_DV + c * 8) =
         *reinterpret_cast<const uint4*>(smem + o_swz(r, c, MP_DV * 2));
   }
 #else
   __trap();
 #endif
+}
+
+// The partials of the tiles whose keys took more than one run (mla_prefill_mma) -> out [T, H, 128]: one warp a
+// (row, vw value columns). Launch: grid ceil(T * H * (128 / vw) / 4), block 128, dynamic shared memory 4 warps x 2 x
+// n_splits floats.
+extern "C" __global__ void __launch_bounds__(128) mla_prefill_combine(
+    const bf16* __restrict__ ws_o, const float2* __restrict__ ws_ml, bf16* __restrict__ out,
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int B, int T, int H, int n_splits, int per, int vw) {
+  griddep_begin();
+  extern __shared__ float ml_sm[];
+  const int warp = threadIdx.x >> 5, chunks = MP_DV / vw;
+  const long long rows_total = (long long)T * H, item = (long long)blockIdx.x * 4 + warp, row = item / chunks;
+  if (row >= rows_total) return;
+  const int t = (int)(row / H), b = seq_of(cu_q, B, t);
+  if (b < 0) return;
+  const int q_len = cu_q[b + 1] - cu_q[b], k_len = cu_k[b + 1] - cu_k[b];
+  const int runs = mp_runs(mp_key_tiles(q_len, k_len, (t - cu_q[b]) / MP_ROWS), n_splits, per);
+  if (runs == 1) return;
+  float* m_sm = ml_sm + warp * 2 * n_splits;
+  combine_row(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, (int)(item % chunks) * vw, MP_DV, runs, vw);
 }

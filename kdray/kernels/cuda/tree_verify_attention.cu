@@ -18,17 +18,6 @@
 #include "griddep.cuh"
 #include "attention_tile.cuh"
 
-// Sequence holding query row t (largest b with cu_q[b] <= t), or -1 past the last sequence.
-__device__ __forceinline__ int seq_of(const int* cu_q, int B, int t) {
-  if (t >= cu_q[B]) return -1;
-  int lo = 0, hi = B - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 // Does query row `mrow` (its tree_mask words) see cache position prefix + jj? (jj < 0: the prefix.)
 __device__ __forceinline__ bool visible(const int* mrow, int jj, int tree_n) {
   return jj < 0 || (jj < tree_n && ((__ldg(mrow + (jj >> 5)) >> (jj & 31)) & 1));
@@ -244,69 +233,8 @@ extern "C" __global__ void __launch_bounds__(128) tva_mma_gqa128(TVA_MMA_ARGS) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Split-K combine: out = sum_s w_s O_s / sum_s w_s with w_s = l_s 2^(m_s - max), over the splits that hold keys of
-// the row's sequence. Partials: ws_o [n_splits, T*Hq, DV] bf16 (each normalised by its own row sum), ws_ml
-// [n_splits, T*Hq] = (running max in log2 units, row sum); a sequence whose keys took one split has its output.
-// One warp per (output row, VW value columns): VW / 8 lanes load one split's 16 bytes of those columns, so one
-// warp-wide load covers 256 / VW splits, and every lane keeps NL loads in flight. The host picks VW (32 to 256) so
-// that a few rows still spread over many warps: an SM pulls only tens of GB/s, so no SM may read many partials.
-template <int VW>
-__device__ __forceinline__ void combine_cols(const bf16* __restrict__ ws_o, const float2* __restrict__ ws_ml,
-                                             bf16* __restrict__ out, float* __restrict__ m_sm,
-                                             float* __restrict__ l_sm, long long rows_total, long long row, int col,
-                                             int DV, int used) {
-  constexpr int LPS = VW / 8, GROUPS = 32 / LPS, NL = 8;  // lanes per split, splits per load, loads in flight
-  const int lane = threadIdx.x & 31, sub = lane % LPS, g = lane / LPS;
-  float mx = -INFINITY;
-  for (int s = lane; s < used; s += 32) {
-    const float2 ml = __ldcg(ws_ml + s * rows_total + row);
-    m_sm[s] = ml.x;
-    l_sm[s] = ml.y;
-    mx = fmaxf(mx, ml.x);
-  }
-#pragma unroll
-  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-  if (mx == -INFINITY) mx = 0.f;
-  __syncwarp();
-  const bf16* src = ws_o + row * DV + col + sub * 8;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-  for (int s0 = g; s0 < used; s0 += NL * GROUPS) {
-    uint4 v[NL];
-    float w[NL];
-#pragma unroll
-    for (int k = 0; k < NL; ++k) {
-      const int s = s0 + k * GROUPS;
-      const bool live = s < used;
-      v[k] = live ? __ldcg(reinterpret_cast<const uint4*>(src + s * rows_total * DV)) : make_uint4(0, 0, 0, 0);
-      w[k] = live ? l_sm[s] * exp2f(m_sm[s] - mx) : 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < NL; ++k) {
-      const u32 h[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
-        acc[2 * c] = fmaf(w[k], x.x, acc[2 * c]);
-        acc[2 * c + 1] = fmaf(w[k], x.y, acc[2 * c + 1]);
-      }
-      wsum += w[k];
-    }
-  }
-#pragma unroll
-  for (int x = LPS; x < 32; x <<= 1) {  // add the lanes that hold the same columns for other splits
-#pragma unroll
-    for (int c = 0; c < 8; ++c) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], x);
-    wsum += __shfl_xor_sync(0xffffffffu, wsum, x);
-  }
-  if (g == 0) {
-    const float inv = 1.f / wsum;
-    *reinterpret_cast<uint4*>(out + row * DV + col + sub * 8) =
-        make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
-                   pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
-  }
-}
-
-// Dynamic shared memory: 4 warps x 2 x n_splits floats.
+// Split-K combine (combine_cols, attention_tile.cuh) of the splits that hold keys of the row's sequence; a sequence
+// whose keys took one split has its output. Dynamic shared memory: 4 warps x 2 x n_splits floats.
 extern "C" __global__ void __launch_bounds__(128) tva_combine(const bf16* __restrict__ ws_o,
                                                               const float2* __restrict__ ws_ml, bf16* __restrict__ out,
                                                               const int* __restrict__ cu_q,
@@ -325,12 +253,7 @@ extern "C" __global__ void __launch_bounds__(128) tva_combine(const bf16* __rest
   if (used == 1) return;
   float* m_sm = ml_sm + warp * 2 * n_splits;
   const int col = (int)(item % chunks) * vw;
-  switch (vw) {
-    case 32: combine_cols<32>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
-    case 64: combine_cols<64>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
-    case 128: combine_cols<128>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
-    default: combine_cols<256>(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used); break;
-  }
+  combine_row(ws_o, ws_ml, out, m_sm, m_sm + n_splits, rows_total, row, col, DV, used, vw);
 }
 
 // ---------------------------------------------------------------------------------------------------
