@@ -10,7 +10,7 @@ import kdray.kernels.tree_verify_attention as tva
 from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.tree_verify_attention import (_grid_splits, _mma_smem_bytes, _num_splits, _tree_attention_cuda,
                                                  combine_cols, gqa_tree_attention, mla_tree_attention,
-                                                 tree_attention_reference)
+                                                 split_k_outputs, tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
 
@@ -148,6 +148,16 @@ def test_launch_geometry():
     assert combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
     assert combine_cols(16640, 512, 132) == 256
     assert combine_cols(3, 64, 132) == 32
+
+
+def test_split_k_partials_follow_the_output_in_the_layout_the_combine_reads():
+    out, ws_o, ws_ml = split_k_outputs(5, 8, 128, torch.bfloat16, 3, torch.device("cpu"))
+    assert out.shape == (5, 8, 128) and out.dtype == torch.bfloat16
+    assert ws_o.data_ptr() == out.data_ptr() + out.nbytes and ws_o.numel() == 3 * 40 * 128 * 2  # bf16 partials
+    assert ws_ml.data_ptr() == ws_o.data_ptr() + ws_o.numel() and ws_ml.numel() == 3 * 40 * 8  # (max, sum) pairs
+    given = torch.empty(5, 8, 64)
+    out, ws_o, ws_ml = split_k_outputs(5, 8, 64, torch.float32, 1, torch.device("cpu"), given)
+    assert out is given and ws_o == 0 and ws_ml == 0  # one split: the given output, no partials
 
 
 def test_a_ragged_batch_gets_the_splits_of_its_longest_sequence():

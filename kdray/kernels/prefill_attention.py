@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kdray.kernels.cuda_module import launch, sm_count
-from kdray.kernels.tree_verify_attention import combine_cols
+from kdray.kernels.tree_verify_attention import combine_cols, split_k_outputs
 
 MAX_FLASH_HEAD_DIM = 256  # FlashAttention's largest head dim
 LONG_PROMPT = 2048  # MLA batches whose prompts are all at least this long run through cuDNN, one call each
@@ -195,8 +195,9 @@ def _key_splits(q_lens: tuple[int, ...], k_lens: tuple[int, ...], heads: int, sm
             heapq.heappush(free, heapq.heappop(free) + run + RUN_COST)
         return max(free) + (MERGE_COST if len(runs) > heads * len(tiles) else 0.0)
 
-    per = min(sorted({-(-longest // n) for n in range(1, MAX_RUNS + 1)}, reverse=True), key=estimate)
-    if estimate(per) > CUT_GAIN * estimate(longest):
+    times = {per: estimate(per) for per in sorted({-(-longest // n) for n in range(1, MAX_RUNS + 1)}, reverse=True)}
+    per = min(times, key=times.get)  # (the longest runs among equals)
+    if times[per] > CUT_GAIN * times[longest]:
         return 1, longest
     return -(-longest // per), per
 
@@ -209,14 +210,10 @@ def _mla_prefill_cuda(q, k_nope, k_pe, v, cu, cu_k, q_lens: list[int], k_lens: l
     dv, dev = v.shape[-1], q.device
     B = len(q_lens)
     n_splits, per = splits or _key_splits(tuple(q_lens), tuple(k_lens), H, sm_count(dev.index))
-    out_bytes, o_bytes = T * H * dv * 2, n_splits * T * H * dv * 2
-    ws_bytes = o_bytes + n_splits * T * H * 8 if n_splits > 1 else 0
-    buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=dev)  # output | [n_splits] partials, (m, l)
-    out = buf[:out_bytes].view(q.dtype).view(T, H, dv)  # [T, H, Dv]
+    out, ws_o, ws_ml = split_k_outputs(T, H, dv, q.dtype, n_splits, dev)  # [T, H, Dv], the runs' partials
     if T == 0:
         return out
     i32 = np.int32
-    ws_o, ws_ml = (buf[out_bytes:out_bytes + o_bytes], buf[out_bytes + o_bytes:]) if ws_bytes else (0, 0)  # 0: null
     tiles = -(-T // _ROWS) + min(B, T) - 1  # >= the prompts' ceil(q_len / 128) summed
     launch("prefill_attention", "mla_prefill_mma", (H, tiles * n_splits), (256,),
            (q, k_nope, k_pe, v, cu, cu_k, out, ws_o, ws_ml, i32(B), i32(T), i32(H), i32(q.stride(0)),

@@ -176,6 +176,23 @@ def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
     return next((s for s, f in fill.items() if f >= WAVE_FILL), max(fill, key=fill.get))
 
 
+def split_k_outputs(T: int, heads: int, dv: int, dtype: torch.dtype, n_splits: int, device: torch.device,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | int, torch.Tensor | int]:
+    """(the output ``[T, heads, dv]`` in ``dtype``, or ``out``; the split-K partials ``ws_o`` and ``ws_ml``) for a
+    kernel whose key splits a combine merges (``combine_cols`` in ``attention_tile.cuh``): with ``n_splits`` > 1
+    the partials' bytes, bf16 ``[n_splits, T * heads, dv]`` then (max, sum) float pairs ``[n_splits, T * heads]``, in
+    one allocation with the output; else 0 for both (null pointers)."""
+    rows = T * heads
+    out_bytes = 0 if out is not None else rows * dv * dtype.itemsize
+    o_bytes = n_splits * rows * dv * 2
+    ws_bytes = o_bytes + n_splits * rows * 8 if n_splits > 1 else 0
+    buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=device)  # output | [n_splits] partials
+    if out is None:
+        out = buf[:out_bytes].view(dtype).view(T, heads, dv)
+    ws = buf[out_bytes:]
+    return (out, ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (out, 0, 0)
+
+
 def combine_cols(rows: int, dv: int, sms: int) -> int:
     """Value columns per warp of a split-K combine (``tva_combine``, ``mla_prefill_combine``): the widest that still
     gives every SM ~8 warps, at least 32."""
@@ -239,13 +256,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     if mma is not None and tiles > 0:
         slots = sm_count(dev.index) * mma[2]
         n_splits = _grid_splits(T, B, longest, group, kv_heads, -(-max_pages * page_size // _TILE), slots)
-    out_bytes, o_bytes = T * hq * dv * q.element_size(), n_splits * T * hq * dv * 2
-    ws_bytes = o_bytes + n_splits * T * hq * 8 if n_splits > 1 else 0
-    if out is None:
-        buf = torch.empty(out_bytes + ws_bytes, dtype=torch.uint8, device=dev)  # output | [n_splits] partials
-        out, ws = buf[:out_bytes].view(q.dtype).view(T, hq, dv), buf[out_bytes:]
-    else:
-        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, n_splits, dev, out)
     if T == 0 or B == 0:
         return out
 
@@ -261,7 +272,6 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
         return out
     kernel, warpgroups, _ = mma
     defines = (("ATTN_MMA_SYNC", 1),) if mma_sync else ()
-    ws_o, ws_ml = (ws[:o_bytes], ws[o_bytes:]) if ws_bytes else (0, 0)  # 0: null pointers
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
            inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits), i32(early_prefix)),
            shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
