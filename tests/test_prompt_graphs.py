@@ -1,12 +1,17 @@
 """A lone prompt chunk padded to a prompt bucket, as the graphed prefill runs it (here eagerly, on the CPU): the
 chunk's logits, KV and drafter context equal the unpadded pass's, and the padding writes only the scratch page."""
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_llama import make_tiny
 
-from kdray.engine.runner import PROMPT_BUCKETS
+from kdray.config import K2Config
+from kdray.engine.runner import PROMPT_BUCKETS, riding_rows
 from kdray.llm import LLM
 from kdray.model.batch import ForwardBatch, causal_tree_mask
+from kdray.model.k2 import PLAIN_CHUNK_CACHED, PLAIN_CHUNK_TOKENS
 
 
 def eager_graphs(runner):
@@ -77,3 +82,30 @@ def test_a_chunk_past_the_buckets_or_the_block_table_runs_unpadded(runner):
     fb = ForwardBatch.build(torch.zeros(17, dtype=torch.int64), torch.arange(17), [17], [0], table, ps, None)
     runner.forward_prompts(fb, [0], fb.cu_q[1:].long() - 1, graphs)
     assert calls == [32]
+
+
+def test_a_long_chunk_after_a_long_cache_runs_in_an_eager_pass_on_k2(runner, monkeypatch):
+    """K2's layout sends a lone chunk of PLAIN_CHUNK_TOKENS or more after PLAIN_CHUNK_CACHED cached tokens to an eager
+    pass of its own (the plain attention form), neither replayed from a graph nor riding in a verify pass; shorter
+    chunks and shorter caches still do both. Other models have no such chunks."""
+    k2 = isinstance(runner.target.model.cfg, K2Config)
+    assert runner.layout.plain_chunks == ((PLAIN_CHUNK_TOKENS, PLAIN_CHUNK_CACHED) if k2 else None)
+    layout = dataclasses.replace(runner.layout, plain_chunks=(5, 8), step_chunk=32)  # scaled down to the tiny model
+    monkeypatch.setattr(runner, "layout", layout)
+    calls = []
+
+    def graphs(inputs, **options):
+        calls.append(inputs[0].shape[0])
+        return eager_graphs(runner)(inputs, **options)
+
+    table = torch.arange(layout.max_pages_per_seq, dtype=torch.int32)[None] % runner.slots.scratch_page
+    step = SimpleNamespace(grammars=None)
+    riding = []
+    for start, n in [(8, 5), (8, 4), (7, 5), (16, 9)]:
+        fb = ForwardBatch.build(torch.zeros(n, dtype=torch.int64), torch.arange(start, start + n), [n], [start], table,
+                                runner.page_size, causal_tree_mask([n], "cpu"))
+        runner.forward_prompts(fb, [start], fb.cu_q[1:].long() - 1, graphs)
+        chunk = SimpleNamespace(slots=[0], prompts=[[0] * n], scored=[[]], grammars=None, starts=[start])
+        riding.append(riding_rows(layout, chunk, step, graphs=False))
+    assert calls == [16, 16]  # 4 tokens after 8, 5 after 7: padded to the first bucket
+    assert riding == [None, 4, 5, None]

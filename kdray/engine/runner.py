@@ -47,22 +47,31 @@ def bucket(n: int, limit: int) -> int:
     return next((b for b in BUCKETS if b >= n and b <= max(limit, 1)), max(n, limit))
 
 
+def plain_chunk(layout: EngineLayout, T: int, start: int) -> bool:
+    """Whether a lone chunk of ``T`` tokens after ``start`` cached ones runs in an eager pass of its own
+    (``layout.plain_chunks``)."""
+    return layout.plain_chunks is not None and T >= layout.plain_chunks[0] and start >= layout.plain_chunks[1]
+
+
 def prompt_bucket(layout: EngineLayout, T: int, starts: list[int]) -> int | None:
     """The prompt bucket a lone chunk of ``T`` tokens (after ``starts[0]`` cached ones) is padded to under graphs, or
-    None when it cannot be: several chunks, over the largest bucket, or padded past the block table's last position."""
+    None when it cannot be or should not be: several chunks, over the largest bucket, padded past the block table's
+    last position, or a :func:`plain_chunk`."""
     size = next((n for n in PROMPT_BUCKETS if n >= T), None)
     limit = layout.max_pages_per_seq * layout.page_size
-    return None if size is None or len(starts) != 1 or starts[0] + size > limit else size
+    if size is None or len(starts) != 1 or starts[0] + size > limit or plain_chunk(layout, T, starts[0]):
+        return None
+    return size
 
 
 def riding_rows(layout: EngineLayout, prefill: PrefillBatch, step: StepBatch, graphs: bool) -> int | None:
     """The rows a prefill's chunk runs at inside ``step``'s verify pass (its tokens, padded to a prompt bucket under
     CUDA ``graphs``), or None where it runs in a pass of its own: several chunks, more tokens than
-    ``layout.step_chunk``, prompt tokens to score, grammars (their steps run eagerly), or a padded chunk past the
-    block table. The engine's runner decides (in-process, or for the shards on Ray)."""
+    ``layout.step_chunk``, prompt tokens to score, grammars (their steps run eagerly), a :func:`plain_chunk`, or a
+    padded chunk past the block table. The engine's runner decides (in-process, or for the shards on Ray)."""
     T = len(prefill.prompts[0])
     if (len(prefill.slots) != 1 or T > layout.step_chunk or any(prefill.scored)
-            or prefill.grammars is not None or step.grammars is not None):
+            or prefill.grammars is not None or step.grammars is not None or plain_chunk(layout, T, prefill.starts[0])):
         return None
     return prompt_bucket(layout, T, prefill.starts) if graphs else T
 
