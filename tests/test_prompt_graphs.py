@@ -11,7 +11,7 @@ from kdray.config import K2Config
 from kdray.engine.runner import PROMPT_BUCKETS, riding_rows
 from kdray.llm import LLM
 from kdray.model.batch import ForwardBatch, causal_tree_mask
-from kdray.model.k2 import PLAIN_CHUNK_CACHED, PLAIN_CHUNK_TOKENS
+from kdray.model.k2 import PLAIN_CHUNK_PAIRS, PLAIN_CHUNK_TOKENS
 
 
 def eager_graphs(runner):
@@ -85,12 +85,12 @@ def test_a_chunk_past_the_buckets_or_the_block_table_runs_unpadded(runner):
 
 
 def test_a_long_chunk_after_a_long_cache_runs_in_an_eager_pass_on_k2(runner, monkeypatch):
-    """K2's layout sends a lone chunk of PLAIN_CHUNK_TOKENS or more after PLAIN_CHUNK_CACHED cached tokens to an eager
-    pass of its own (the plain attention form), neither replayed from a graph nor riding in a verify pass; shorter
-    chunks and shorter caches still do both. Other models have no such chunks."""
+    """K2's layout sends a lone chunk of PLAIN_CHUNK_TOKENS or more whose tokens x cached tokens reach
+    PLAIN_CHUNK_PAIRS to an eager pass of its own (the plain attention form), neither replayed from a graph nor riding
+    in a verify pass; shorter chunks and smaller products still do both. Other models have no such chunks."""
     k2 = isinstance(runner.target.model.cfg, K2Config)
-    assert runner.layout.plain_chunks == ((PLAIN_CHUNK_TOKENS, PLAIN_CHUNK_CACHED) if k2 else None)
-    layout = dataclasses.replace(runner.layout, plain_chunks=(5, 8), step_chunk=32)  # scaled down to the tiny model
+    assert runner.layout.plain_chunks == ((PLAIN_CHUNK_TOKENS, PLAIN_CHUNK_PAIRS) if k2 else None)
+    layout = dataclasses.replace(runner.layout, plain_chunks=(5, 40), step_chunk=32)  # scaled down to the tiny model
     monkeypatch.setattr(runner, "layout", layout)
     calls = []
 
@@ -101,11 +101,11 @@ def test_a_long_chunk_after_a_long_cache_runs_in_an_eager_pass_on_k2(runner, mon
     table = torch.arange(layout.max_pages_per_seq, dtype=torch.int32)[None] % runner.slots.scratch_page
     step = SimpleNamespace(grammars=None)
     riding = []
-    for start, n in [(8, 5), (8, 4), (7, 5), (16, 9)]:
+    for start, n in [(8, 5), (8, 4), (7, 5), (4, 10), (3, 10)]:
         fb = ForwardBatch.build(torch.zeros(n, dtype=torch.int64), torch.arange(start, start + n), [n], [start], table,
                                 runner.page_size, causal_tree_mask([n], "cpu"))
         runner.forward_prompts(fb, [start], fb.cu_q[1:].long() - 1, graphs)
         chunk = SimpleNamespace(slots=[0], prompts=[[0] * n], scored=[[]], grammars=None, starts=[start])
         riding.append(riding_rows(layout, chunk, step, graphs=False))
-    assert calls == [16, 16]  # 4 tokens after 8, 5 after 7: padded to the first bucket
-    assert riding == [None, 4, 5, None]
+    assert calls == [16, 16, 16]  # 4 tokens after 8, 5 after 7, 10 after 3: padded to the first bucket
+    assert riding == [None, 4, 5, None, 10]

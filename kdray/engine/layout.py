@@ -12,7 +12,7 @@ import torch
 
 from kdray.config import DFLASH_BLOCK_SIZE, DFlashConfig, K2Config, SpecConfig
 from kdray.engine.args import AUTO_MAX_NODES, EngineArgs
-from kdray.model.k2 import PLAIN_CHUNK_CACHED, PLAIN_CHUNK_TOKENS
+from kdray.model.k2 import PLAIN_CHUNK_PAIRS, PLAIN_CHUNK_TOKENS
 from kdray.model.tokenizer import Tokenizer
 
 KV_BUDGET_BYTES_CPU = 512 << 20
@@ -46,8 +46,8 @@ class EngineLayout:
     # a lone prompt chunk of at most this many tokens runs inside the running sequences' step, in their verify pass
     # (the weights read once for both); 0: chunks always run in a pass of their own
     step_chunk: int = 0
-    # (tokens, cached): a lone prompt chunk of at least this many tokens after at least this many cached ones runs in
-    # an eager pass of its own, neither replayed from a prompt graph nor riding in a verify pass (K2, whose plain
+    # (tokens, pairs): a lone prompt chunk of at least this many tokens whose tokens x cached tokens reach pairs runs
+    # in an eager pass of its own, neither replayed from a prompt graph nor riding in a verify pass (K2, whose plain
     # attention form, which only such a pass runs, beats the absorbed form of the other two over a long cache);
     # None: never
     plain_chunks: tuple[int, int] | None = None
@@ -70,7 +70,7 @@ class EngineLayout:
                    max_pages_per_seq=-(-(limit + spec.cache_slack) // args.page_size),
                    target_layer_ids=draft.target_layer_ids if draft else (), cuda_graphs=args.cuda_graphs,
                    step_chunk=chunk if chunk <= PROMPT_BUCKETS[-1] else 0,
-                   plain_chunks=(PLAIN_CHUNK_TOKENS, PLAIN_CHUNK_CACHED) if isinstance(cfg, K2Config) else None)
+                   plain_chunks=(PLAIN_CHUNK_TOKENS, PLAIN_CHUNK_PAIRS) if isinstance(cfg, K2Config) else None)
 
 
 def kv_pages_that_fit(models, page_size: int, device: torch.device, dtype: torch.dtype, gpu_share: float = 1.0) -> int:

@@ -50,7 +50,7 @@ def bucket(n: int, limit: int) -> int:
 def plain_chunk(layout: EngineLayout, T: int, start: int) -> bool:
     """Whether a lone chunk of ``T`` tokens after ``start`` cached ones runs in an eager pass of its own
     (``layout.plain_chunks``)."""
-    return layout.plain_chunks is not None and T >= layout.plain_chunks[0] and start >= layout.plain_chunks[1]
+    return layout.plain_chunks is not None and T >= layout.plain_chunks[0] and T * start >= layout.plain_chunks[1]
 
 
 def prompt_bucket(layout: EngineLayout, T: int, starts: list[int]) -> int | None:

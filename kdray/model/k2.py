@@ -38,18 +38,18 @@ LATENT_NORM_EPS = 1e-6
 # 61-layer pass from a CUDA graph, plain (mla_prefill_mma) against absorbed: 16,384 cached + 1024 new 67.1 against
 # 86.4 ms (59.5 with the keys in runs); + 512 new 56.3 against 54.9 (42.9-43.3 in runs); 2048 cached + 512 new 36.3
 # against 37.8 (35.0-35.1 in runs); + 256 new 34.4 against 34.1. Shorter chunks stay absorbed even so: the engine runs
-# these passes eagerly (a lone chunk of up to 2048 tokens replays from a graph, absorbed, below PLAIN_CHUNK_CACHED),
+# these passes eagerly (a lone chunk of up to 2048 tokens replays from a graph, absorbed, below PLAIN_CHUNK_PAIRS),
 # where the shard's launches bound them (85-145 ms a pass either way), and the plain form's expansion grows with every
 # cached key.
 PLAIN_CHUNK_TOKENS = 1024
-# A lone chunk of PLAIN_CHUNK_TOKENS or more after at least this many cached tokens runs in an eager pass of its own
-# (the engine's layout, ``plain_chunks``), not from a prompt graph or inside a verify pass: both hold the absorbed form,
-# whose attention grows ~2.5x faster with the cache than the plain form's. H200, K2 TP8 shard, 1024 new tokens:
-# 65,536 cached 202.0 ms graphed absorbed against 107 eager plain (105.2 graphed: GPU-bound); 32,768 cached 125.6
-# against 138.3 eager plain (75.1 graphed: the host's launches bound the eager pass at ~85-150 ms). From the two,
-# absorbed gains ~2.4 ms and eager plain's GPU time ~0.9 ms per 1024 cached tokens: past ~43k cached eager plain wins
-# even at the slowest host measured.
-PLAIN_CHUNK_CACHED = 49152
+# A lone chunk of PLAIN_CHUNK_TOKENS or more whose new x cached tokens (its query-key pairs over the cache) reach this
+# runs in an eager pass of its own (the engine's layout, ``plain_chunks``), not from a prompt graph or inside a verify
+# pass: both hold the absorbed form, whose attention over the cache costs ~2.5x the plain form's a pair. H200, K2 TP8
+# shard, 1024 new tokens: 65,536 cached 202.0 ms graphed absorbed against 107 eager plain (105.2 graphed: GPU-bound);
+# 32,768 cached 125.6 against 138.3 eager plain (75.1 graphed: the host's launches bound the eager pass at ~85-150 ms).
+# From the two, absorbed gains ~2.4 ms and eager plain's GPU time ~0.9 ms per 1024 cached tokens: past ~43k cached eager
+# plain wins even at the slowest host measured. 2048 new after 16,384 cached: 157.5 absorbed, 92.1 plain graphed.
+PLAIN_CHUNK_PAIRS = 1024 * 49152
 
 
 class MLAttention(nn.Module):
