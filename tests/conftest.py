@@ -56,6 +56,21 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def random_k2(tmp_path_factory) -> str:
+    """k2-tiny's random weights behind the K2-layout tokenizer of tests/k2_chat.py (EOS <|im_end|>): a K2 with a
+    tokenizer, as grammars need."""
+    import shutil
+
+    from k2_chat import make_k2_chat_checkpoint
+
+    from kdray.model.presets import k2_tiny_path
+
+    path = make_k2_chat_checkpoint(tmp_path_factory.mktemp("m") / "random-k2")
+    shutil.copy(k2_tiny_path() / "model.safetensors", path / "model.safetensors")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real small model (SmolLM2-135M-Instruct from its GGUF), fp32 on the CPU, loaded once."""
     from kdray.model.loader import load_target

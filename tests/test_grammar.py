@@ -1,22 +1,21 @@
 """Constrained decoding (kdray.spec.grammar): token bytes of both tokenizer back-ends, each tree node's mask against
 a matcher fed the node's path, AR == chain == DDTree under a grammar (greedy and seeded; drafts that rarely agree and
-an oracle's), a plain request batched with grammar ones untouched, output that parses and validates, forced tool
-calls in K2's and Hermes' formats, and the 400s; served through the OpenAI handlers in-process."""
+an oracle's), a plain request batched with grammar ones untouched, the same under preemption, output that parses
+and validates, forced tool calls in K2's and Hermes' formats, and the 400s; served through the OpenAI handlers
+in-process."""
 import json
 import random
-import shutil
 
 import jsonschema
 import pytest
 import torch
-from k2_chat import TOOLS, make_k2_chat_checkpoint
+from k2_chat import TOOLS
 from test_ddtree import oracle
 from test_serving_sampling import call, serving  # noqa: F401 - serving is a fixture
 from test_tokenizer import hf_backend  # noqa: F401 - a fixture
 
 from kdray import LLM, SamplingParams, StructuredOutputsParams
 from kdray.kernels.tree_build import DraftTree
-from kdray.model.presets import k2_tiny_path
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
 from kdray.serve.protocol import APIError
 from kdray.serve.tool_calls import ToolCallParser
@@ -30,14 +29,6 @@ GRAMMAR = StructuredOutputsParams(json=SCHEMA)
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44], [300, 2, 9]]
 PLAIN = [9, 8, 7, 6]  # a plain request batched with the grammar ones
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def random_k2(tmp_path_factory) -> str:
-    """k2-tiny's random weights behind the K2-layout tokenizer of tests/k2_chat.py (EOS <|im_end|>)."""
-    path = make_k2_chat_checkpoint(tmp_path_factory.mktemp("m") / "random-k2")
-    shutil.copy(k2_tiny_path() / "model.safetensors", path / "model.safetensors")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +145,27 @@ def test_chain_and_ddtree_emit_ar_tokens_under_a_grammar(engines, sampled):
     assert ar[-1].token_ids == alone.token_ids
     free = engines["ar"].generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(max_tokens=12, **how))
     assert [o.outputs[0].token_ids for o in free] != [c.token_ids[:12] for c in ar[:-1]]  # the grammar acted
+
+
+@pytest.mark.parametrize("spec,pages", [({"spec": "ar"}, 12),
+                                        ({"drafter": "random", "spec": "chain", "block_size": 4}, 14)],
+                         ids=["ar", "chain"])
+def test_grammar_requests_under_preemption_end_as_with_room(random_k2, spec, pages):
+    """Grammar requests (greedy and seeded) and a seeded plain one in a pool too small for all of them: preempted and
+    prefilled again, each ends as with room, and every page comes back. (A grammar step's result is applied before
+    the next launch, so a sequence preempted there had nothing in flight and was released at once: later in the same
+    batch, it stepped from the waiting queue, its tokens applied to it, its pages lost at its next admission.)"""
+    params = [SamplingParams(max_tokens=40, structured_outputs=GRAMMAR)] * 2 + [
+        SamplingParams(max_tokens=40, structured_outputs=GRAMMAR, temperature=1.0, seed=7),
+        SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=3)]
+    prompts = [p * 8 for p in PROMPTS + [PLAIN]]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+    tight = LLM(model=random_k2, num_pages=pages, max_num_seqs=4, prefix_caching=False, **spec)
+    assert run(tight) == run(LLM(model=random_k2, **spec))
+    assert tight.engine.scheduler.preemptions > 0 and tight.engine.free_pages() == pages
 
 
 def test_structured_outputs_are_checked_where_they_enter(engines):

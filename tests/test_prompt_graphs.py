@@ -105,7 +105,7 @@ def test_a_long_chunk_after_a_long_cache_runs_in_an_eager_pass_on_k2(runner, mon
         fb = ForwardBatch.build(torch.zeros(n, dtype=torch.int64), torch.arange(start, start + n), [n], [start], table,
                                 runner.page_size, causal_tree_mask([n], "cpu"))
         runner.forward_prompts(fb, [start], fb.cu_q[1:].long() - 1, graphs)
-        chunk = SimpleNamespace(slots=[0], prompts=[[0] * n], scored=[[]], grammars=None, starts=[start])
+        chunk = SimpleNamespace(slots=[0], prompts=[[0] * n], scored=[[]], allowed=None, starts=[start])
         riding.append(riding_rows(layout, chunk, step, graphs=False))
     assert calls == [16, 16, 16]  # 4 tokens after 8, 5 after 7, 10 after 3: padded to the first bucket
     assert riding == [None, 4, 5, None, 10]

@@ -1,7 +1,7 @@
 """The engine on Ray actors (CPU: gloo groups, a local cluster): token for token the in-process greedy
 DDTree output at TP = 2 and 4, with expert parallelism, on INT4 checkpoints and with a vocabulary the width
-does not divide; a killed shard fails its request with a clear error, and the engine then serves the next
-one."""
+does not divide; grammar requests as in-process AR, their masks carried to the shards as the engine made them; a
+killed shard fails its request with a clear error, and the engine then serves the next one."""
 from __future__ import annotations
 
 import functools
@@ -14,17 +14,27 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
+import jsonschema
+import msgpack
 import pytest
 import torch
 import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
+from test_grammar import GRAMMAR, PLAIN, SCHEMA
+from test_grammar import PROMPTS as GRAMMAR_PROMPTS
 from test_scheduler import record_riding_rows, staggered
 
-from kdray import LLM, SamplingParams, StructuredOutputsParams
+from kdray import LLM, SamplingParams
+from kdray.actors.channel import pack
 from kdray.actors.communicator import CommunicatorTimeout, GlooGroup
+from kdray.actors.shard import ShardWorker
 from kdray.config import K2Config
+from kdray.engine.step import StepBatch
+from kdray.kernels.tree_build import DraftTree
 from kdray.model.presets import K2_TINY, k2_random_tensors, write_checkpoint
+from kdray.spec.grammar import next_token_masks, tree_masks
 
 ray = pytest.importorskip("ray")
 
@@ -127,10 +137,6 @@ def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp)
                                                                         abs=1e-3)
         for a, b in zip(on_ray_outs, in_process_outs):  # the prompts' log-probabilities come back from the prefill
             assert [list(d or ()) for d in a.prompt_logprobs] == [list(d or ()) for d in b.prompt_logprobs]
-        # a grammar's mask is not carried by the step plan: refused, saying so, never ignored
-        with pytest.raises(ValueError, match="structured_outputs: .*distributed='ray' does not carry"):
-            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(
-                structured_outputs=StructuredOutputsParams(json_object=True)))
         pg = llm.engine.runner.actors.placement_group
     # Every stage is timed under its own name on Ray too: the drafter's draft and build, the shards' rest.
     assert all(outs[0].metrics["seconds"][stage] > 0 for stage in ("draft", "build", "verify", "accept", "commit"))
@@ -139,6 +145,73 @@ def test_k2_tiny_on_ray_equals_in_process_and_shutdown_releases_all(cluster, tp)
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == free
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["ar", "ddtree"])
+def test_grammar_requests_on_ray_equal_in_process_ar(cluster, random_k2, spec):
+    """structured_outputs on Ray: the engine's matchers make the masks (the first tokens' in the prefill plan, the tree
+    nodes' mid-step from the drafter's trees, or without a drafter the roots'), which reach every shard: greedy and
+    seeded grammar requests and a plain one batched with them give in-process AR's tokens; those that end parse and
+    follow the schema."""
+    params = [SamplingParams(max_tokens=40, structured_outputs=GRAMMAR)] * 2 + [
+        SamplingParams(max_tokens=40, structured_outputs=GRAMMAR, temperature=1.0, seed=7),
+        SamplingParams(max_tokens=10, ignore_eos=True)]
+    prompts = GRAMMAR_PROMPTS + [PLAIN]
+    with LLM(model=random_k2, spec="ar") as llm:
+        expected = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    kw = {"drafter": "random", "budget": 16, "block_size": 8} if spec == "ddtree" else {}
+    with LLM(model=random_k2, spec=spec, tp=2, distributed="ray", **kw) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for c in expected]
+    ended = [o.outputs[0] for o in outs[:3] if o.outputs[0].finish_reason == "stop"]
+    assert ended
+    for c in ended:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_a_grammar_steps_masks_reach_the_shards_as_the_engine_makes_them(random_k2):
+    """The Ray transport of a grammar step's masks, through msgpack: the drafter's packed trees to the engine, the
+    rows of the sequences with a grammar to shard 0, which rebuilds every node's row of the padded batch. Each row
+    is in-process tree_masks' (trees that follow the grammar, so deep nodes' rows restrict), rows without a grammar
+    and the padding's allow everything; without a drafter, each root's next-token mask."""
+    from kdray.actors.ray_runner import RayRunner  # (needs Ray)
+
+    with LLM(model=random_k2, spec="ar") as llm:
+        grammars, tok, V = llm.engine.grammars, llm.tokenizer, llm.config.vocab_size
+    states = [grammars.start(GRAMMAR), None, grammars.start(GRAMMAR)]
+    for t in tok.encode('{"a": "'):
+        states[0].accept(t)
+    paths = [tok.encode('ada", "b": true'), [], tok.encode('{"a": "bob')]
+    nodes, padded = 12, 4  # three sequences padded to four rows
+    tokens = torch.zeros(3, 1 + nodes, dtype=torch.int64)
+    parents = torch.full((3, 1 + nodes), -1, dtype=torch.int32)
+    for b, path in enumerate(paths):  # the path as a chain from the root, a wrong sibling beside each of its nodes
+        chain = path[:nodes // 2]
+        for i, t in enumerate(chain):
+            tokens[b, 1 + 2 * i], parents[b, 1 + 2 * i] = t, 2 * i - 1 if i else 0
+            tokens[b, 2 + 2 * i], parents[b, 2 + 2 * i] = (t + 1) % V, 2 * i - 1 if i else 0
+    counts = torch.tensor([1 + 2 * len(p[:nodes // 2]) for p in paths], dtype=torch.int32)
+    tree = DraftTree(tokens=tokens, parents=parents, depths=torch.zeros_like(parents), num_nodes=counts,
+                     mask=torch.zeros(3, 1 + nodes, 1, dtype=torch.int32))
+    for drafter, n in (("random", nodes), (None, 0)):
+        batch = StepBatch(slots=[0, 1, 2], nodes=n, grammars=states)
+        sent = []
+        actors = SimpleNamespace(wait=lambda names: [msgpack.unpackb(pack({"trees": tree.pack().numpy().tobytes()}))],
+                                 send=lambda plan, to: sent.append((msgpack.unpackb(pack(plan)), to)))
+        RayRunner(SimpleNamespace(drafter=drafter, tp=2), None, actors, V)._send_masks(actors, batch, [0, 2])
+        [(frame, to)] = sent
+        assert to == ("shard 0",)
+        shard = ShardWorker(0, SimpleNamespace(device="cpu"), 1.0)
+        shard.channel = SimpleNamespace(recv=lambda: frame)
+        shard.target = SimpleNamespace(config=SimpleNamespace(vocab_size=V))
+        shard.runner = SimpleNamespace(padded=lambda b: padded)
+        got = shard._allowed(batch, [0, 2]).view(padded, 1 + n, -1)
+        expected = (tree_masks(states, tree, V) if drafter else next_token_masks(states, V)).view(3, 1 + n, -1)
+        assert torch.equal(got[:3], expected) and (got[3] == -1).all() and (got[1] == -1).all()
+        assert (got[[0, 2], 0] != -1).any(-1).all()  # the roots' rows restrict
+        if drafter:
+            assert (got[[0, 2], 3::2] != -1).any(-1).sum() >= 6  # and so do deep nodes' on the grammar's paths
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import kdray.engine.runner as runner_module
 import kdray.model.k2 as k2
 from kdray import LLM, SamplingParams
 from kdray.engine.runner import ModelRunner
+from kdray.engine.sequence import Sequence
 from kdray.model.presets import K2_TINY
 
 GEN = torch.Generator().manual_seed(5)
@@ -131,6 +132,23 @@ def test_chunks_in_the_plain_form_change_nothing(reference, mode, monkeypatch):
         llm = LLM(model="k2-tiny", prefill_chunk=16, prefix_caching=False, **MODES[mode])
         assert tokens(llm, PARAMS[params]) == reference[(mode, params)]
     assert any(plain)  # chunks after cached tokens took the plain form
+
+
+def test_a_sequence_preempted_for_one_before_it_in_the_batch_does_not_step():
+    """reserve() preempts for the batch's first sequence the most recently admitted one, later in the same batch and
+    with nothing in flight (as after a grammar step, whose result is applied before the next launch): it goes back to
+    waiting with its pages, and neither steps nor takes pages now. (It did both, from the waiting queue: its step's
+    tokens were applied to a request waiting to be prefilled again, and its pages leaked at its next admission.)"""
+    scheduler = LLM(model="k2-tiny", spec="ar", num_pages=12, prefix_caching=False).engine.scheduler
+    first, last = (Sequence(name, list(range(2, 34)), SamplingParams(max_tokens=64), 0) for name in ("first", "last"))
+    scheduler.waiting.extend([first, last])
+    assert scheduler.admit() == [first, last]
+    for seq in (first, last):
+        seq.prefilled = seq.prefill_len
+    first.cached_len = 9 * scheduler.page_size  # it now needs the pages the other holds
+    assert scheduler.reserve([first, last]) == [first]
+    assert list(scheduler.waiting) == [last] and last.pages == [] and scheduler.running == [first]
+    assert scheduler.pool.free_pages() == scheduler.pool.num_pages - len(first.pages)
 
 
 def test_long_context_burst_is_admitted_by_use_not_by_reservation(tmp_path):

@@ -109,10 +109,12 @@ class PlanServer:
             self._peers[name] = conn
             self._selector.register(sock, selectors.EVENT_READ, (name, conn))
 
-    def broadcast(self, payload: bytes):
-        """Send one encoded plan to every worker."""
+    def broadcast(self, payload: bytes, names: tuple[str, ...] | None = None):
+        """Send one encoded plan to every worker (or those in ``names``)."""
         frame = HEADER.pack(len(payload)) + payload
         for name, conn in self._peers.items():
+            if names is not None and name not in names:
+                continue
             try:
                 conn.sock.sendall(frame)
             except OSError:

@@ -43,11 +43,14 @@ class DrafterWorker(Worker):
         first = self._receive(len(batch.slots), dtype=torch.int64)  # [B]
         self.runner.absorb_prompts(batch, features, first)
 
-    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict:
-        """Draft and build the trees, then take the shards' commit (and a riding ``chunk``'s context, as
-        :meth:`prefill` takes a chunk's)."""
+    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0,
+             grammars: list[int] | None = None) -> dict:
+        """Draft and build the trees (with ``grammars``, sent to the engine too, which masks their nodes), then take
+        the shards' commit (and a riding ``chunk``'s context, as :meth:`prefill` takes a chunk's)."""
         r = self.runner
         tree, masses, timer = r.propose_step(batch)
+        if grammars:
+            self.channel.send({"trees": tree[:len(batch.slots)].cpu().numpy().tobytes()})
         self.link.broadcast(tree, self.link.rank)
         rows, path = r.padded(len(batch.slots)), r.spec.depth + 1
         packed = self._receive(rows, 2 + path, dtype=torch.int64)  # [Bp, 2 + (1+L)]

@@ -12,10 +12,12 @@ drafter's replies come back; tensors move between the actors over their groups (
 """
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -24,13 +26,15 @@ from kdray.actors.channel import PlanServer, WorkerFailure, pack
 from kdray.actors.communicator import CommunicatorTimeout, missing_ranks
 from kdray.actors.drafter import DrafterWorker
 from kdray.actors.shard import ShardWorker
-from kdray.actors.worker import LoadReport, prefill_plan
+from kdray.actors.worker import LoadReport, mask_bytes, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
 from kdray.engine.runner import launch
 from kdray.engine.step import Pending, PrefillBatch, StepBatch, StepResult, add_seconds, first_tokens
+from kdray.kernels.tree_build import DraftTree
 from kdray.model.loader import check_parallel, resolve_model
 from kdray.model.presets import PRESETS
+from kdray.spec.grammar import next_token_masks, tree_masks
 
 ShardActor = ray.remote(ShardWorker)
 DrafterActor = ray.remote(DrafterWorker)
@@ -208,9 +212,9 @@ class EngineActors:
                     raise WorkerFailure(f"{name} is gone: {e}") from None
                 raise WorkerFailure(f"{name} left its step loop")
 
-    def send(self, plan: dict):
-        """Send one plan to every loop."""
-        self._held.server.broadcast(pack(plan))
+    def send(self, plan: dict, to: tuple[str, ...] | None = None):
+        """Send one plan to every loop (or those of the actors named in ``to``)."""
+        self._held.server.broadcast(pack(plan), to)
 
     def wait(self, replies: tuple[str, ...]) -> list[dict]:
         """The next reply of each actor in ``replies``, in that order."""
@@ -240,6 +244,7 @@ class RayModels:
             self.actors.release()
             raise
         shard0 = reports[0]
+        self.vocab_size = shard0.config.vocab_size
         return ModelFacts(shard0.config, shard0.tokenizer, shard0.name,
                           reports[-1].draft_config if self.args.drafter is not None else None,
                           min(r.kv_pages for r in reports))
@@ -250,7 +255,7 @@ class RayModels:
         except BaseException:
             self.actors.release()
             raise
-        return RayRunner(self.args, layout, self.actors)
+        return RayRunner(self.args, layout, self.actors, self.vocab_size)
 
 
 def first_tokens_result(reply: dict, batch: PrefillBatch) -> StepResult:
@@ -266,15 +271,16 @@ class RayRunner:
     the next call launches new ones (with the same layout), which serve the requests still waiting.
     """
 
-    def __init__(self, args: EngineArgs, layout: EngineLayout, actors: EngineActors):
-        self.args, self.layout = args, layout
+    def __init__(self, args: EngineArgs, layout: EngineLayout, actors: EngineActors, vocab_size: int):
+        self.args, self.layout, self.vocab_size = args, layout, vocab_size
         self.actors: EngineActors | None = actors
         self._closed = False
 
-    def _send(self, plan: dict, replies: tuple[str, ...]) -> Callable[[], list[dict]]:
-        """Send ``plan`` to every actor loop (launching new actors after a failure); returns the function that waits
-        for the replies of ``replies``. A failure, on sending or waiting, releases the actors and raises
-        :class:`WorkerFailure`."""
+    def _send(self, plan: dict, replies: tuple[str, ...], then: Callable[[EngineActors], None] | None = None
+              ) -> Callable[[], list[dict]]:
+        """Send ``plan`` to every actor loop (launching new actors after a failure), then run ``then(actors)`` (the
+        rest of the step's exchange); returns the function that waits for the replies of ``replies``. A failure, on
+        sending or waiting, releases the actors and raises :class:`WorkerFailure`."""
         if self._closed:
             raise RuntimeError("this engine was shut down; create a new LLM")
         if self.actors is None:
@@ -299,7 +305,24 @@ class RayRunner:
                 raise WorkerFailure(f"{what}\nthe engine starts new actors at its next step") from None
 
         guarded(lambda: actors.send(plan))
+        if then is not None:
+            guarded(lambda: then(actors))
         return lambda: guarded(lambda: actors.wait(replies))
+
+    def _send_masks(self, actors: EngineActors, batch: StepBatch, seqs: list[int]) -> float:
+        """A grammar step's masks to shard 0 (which hands them to the others): each tree node's after its path, the
+        trees sent by the drafter (the roots alone without one), for the sequences ``seqs`` with a grammar -> the
+        seconds spent making and sending them (the step's "build" stage, as in-process)."""
+        B, width = len(batch.slots), 1 + batch.nodes
+        packed = actors.wait(("drafter",))[0]["trees"] if self.args.drafter is not None else None
+        start = time.perf_counter()
+        if packed is None:
+            masks = next_token_masks(batch.grammars, self.vocab_size)  # [B, W]
+        else:
+            tree = DraftTree.unpack(torch.frombuffer(bytearray(packed), dtype=torch.int32).view(B, -1), batch.nodes)
+            masks = tree_masks(batch.grammars, tree, self.vocab_size)  # [B * (1+N), W]
+        actors.send({"op": "allowed", "masks": mask_bytes(masks.view(B, width, -1)[seqs])}, ("shard 0",))
+        return time.perf_counter() - start
 
     def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:
         """:func:`~kdray.engine.runner.launch` on the actors: a riding chunk goes in the step plan, to run inside the
@@ -323,7 +346,15 @@ class RayRunner:
         plan = {"op": "step", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages}
         if prefill is not None:
             plan.update(chunk=prefill_plan(prefill), rows=rows)
-        wait, replies = self._send(plan, ("shard 0", *drafter)), []
+        masks: dict[str, float] = {}  # a grammar step's: the engine's time making its masks
+        seqs = [b for b, g in enumerate(batch.grammars or ()) if g is not None]
+
+        def send_masks(actors: EngineActors):
+            masks["build"] = self._send_masks(actors, batch, seqs)
+
+        if seqs:
+            plan["grammars"] = seqs
+        wait, replies = self._send(plan, ("shard 0", *drafter), send_masks if seqs else None), []
 
         def replied() -> list[dict]:
             if not replies:
@@ -332,7 +363,7 @@ class RayRunner:
 
         def result() -> StepResult:
             shard, *draft = replied()
-            return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft)),
+            return StepResult(shard["tokens"], add_seconds(shard["seconds"], *(d["seconds"] for d in draft), masks),
                               draft[0]["masses"] if draft else None, shard["logprobs"])
 
         first = Pending(lambda: first_tokens_result(replied()[0]["first"], prefill)) if prefill is not None else None

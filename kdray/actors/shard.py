@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kdray.actors.worker import LoadReport, Worker
+from kdray.actors.worker import LoadReport, Worker, mask_rows
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner, Prefilled
 from kdray.engine.step import PrefillBatch, StepBatch, add_seconds, unpack_logprobs, unpack_tokens
@@ -50,15 +50,35 @@ class ShardWorker(Worker):
             for t in tensors:
                 self.link.send(t, self.drafter_rank)
 
+    def _allowed(self, batch: StepBatch, seqs: list[int]) -> torch.Tensor:
+        """The grammar masks of this step's tree nodes ``[Bp * (1+N), ceil(V/32)]`` on this device: the rows of the
+        sequences ``seqs`` come from the engine to shard 0 (its ``allowed`` frame), which broadcasts them to the other
+        shards; the other sequences' rows and the padding's allow every token."""
+        width, words = 1 + batch.nodes, (self.target.config.vocab_size + 31) // 32
+        masks = torch.empty(len(seqs), width, words, dtype=torch.int32, device=self.device)  # [G, 1+N, W]
+        if self.rank == 0:
+            frame = self.channel.recv()
+            if frame.get("op") != "allowed":
+                raise RuntimeError(f"expected the step's grammar masks from the engine, got a '{frame.get('op')}' "
+                                   "frame")
+            masks.copy_(mask_rows(frame["masks"], len(seqs) * width).view_as(masks))
+        if self.tp.size > 1:
+            self.tp.broadcast(masks, 0)
+        allowed = torch.full((self.runner.padded(len(batch.slots)), width, words), -1, dtype=torch.int32,
+                             device=self.device)  # [Bp, 1+N, W]
+        allowed[seqs] = masks
+        return allowed.flatten(0, 1)
+
     def prefill(self, batch: PrefillBatch) -> dict | None:
         done = self.runner.run_prompts(batch)
         self._to_drafter(done.features, done.first)
         return first_tokens_reply(done) if self.reports_tokens else None
 
-    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict | None:
-        """Take the drafter's trees (the root alone for AR), verify (with a riding prompt ``chunk``), accept, commit;
-        shard 0 sends the results and the accepted paths' context features back to the drafter, then the chunk's
-        features and first token."""
+    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0,
+             grammars: list[int] | None = None) -> dict | None:
+        """Take the drafter's trees (the root alone for AR) and, for the sequences ``grammars``, the engine's masks of
+        their nodes, verify (with a riding prompt ``chunk``), accept, commit; shard 0 sends the results and the
+        accepted paths' context features back to the drafter, then the chunk's features and first token."""
         r, seconds = self.runner, {}
         if self.link is None:  # AR: the root alone, built here
             tree, _, timer = r.propose_step(batch)
@@ -67,7 +87,8 @@ class ShardWorker(Worker):
             tree = torch.empty(r.padded(len(batch.slots)), packed_width(batch.nodes), dtype=torch.int32,
                                device=self.device)  # [Bp, packed]
             self.link.broadcast(tree, self.drafter_rank)
-        packed, features, logprobs, timer, started = r.settle_step(batch, tree, chunk, rows)
+        allowed = self._allowed(batch, grammars) if grammars else None
+        packed, features, logprobs, timer, started = r.settle_step(batch, tree, chunk, rows, allowed)
         self._to_drafter(packed, features)
         if started is not None:
             self._to_drafter(started.features, started.first)

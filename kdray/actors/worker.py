@@ -4,11 +4,15 @@ plan per step.
 A step plan (msgpack) is ``{"op", ...}``:
 
 - ``prefill``: the fields of a :class:`~kdray.engine.step.PrefillBatch` (``slots``, ``prompts`` (the chunks),
-  ``starts``, ``pages``, ``sampling`` = each request's ``SamplingParams`` fields as a dict, ``seeds``, ``last``,
-  ``roots``, ``prompt_lens``, ``bans``, ``histories``, ``scored``);
+  ``starts``, ``pages``, ``sampling`` = each request's ``SamplingParams`` fields as a dict (its grammar left with
+  the engine), ``seeds``, ``last``, ``roots``, ``prompt_lens``, ``bans``, ``histories``, ``scored``, ``allowed``: the
+  first tokens' masks as bytes, or None);
 - ``step``: the ``slots``, ``nodes`` and grown ``pages`` of a :class:`~kdray.engine.step.StepBatch` (each actor
   keeps every slot's state), and where a lone prompt chunk rides in its verify pass, that chunk's ``prefill`` plan as
-  ``chunk`` and its padded ``rows``;
+  ``chunk`` and its padded ``rows``; ``grammars``: the sequences with a grammar, if any. Then the drafter sends its
+  trees to the engine (``{"trees"}``, the packed rows of the batch's sequences) before its broadcast, and shard 0
+  reads one more frame before it verifies, ``allowed`` (``masks``: those sequences' tree nodes' masks, made by the
+  engine from the trees, or without a drafter from the roots alone), and broadcasts the masks to the other shards;
 - ``noop``: a step-shaped plan that does no model work (the control-path benchmark), answered with
   ``tau`` tokens per slot.
 
@@ -49,22 +53,35 @@ class LoadReport:
     draft_config: DFlashConfig | None = None
 
 
+def mask_bytes(masks: torch.Tensor) -> bytes:
+    """Grammar masks (int32 bitmask rows on the host) as a plan carries them."""
+    return masks.numpy().tobytes()
+
+
+def mask_rows(data: bytes, rows: int) -> torch.Tensor:
+    """Inverse of :func:`mask_bytes`: ``[rows, ceil(V/32)]`` int32."""
+    return torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, -1)
+
+
 def prefill_batch(plan: dict) -> PrefillBatch:
     params = [SamplingParams(**{**p, "logit_bias": p["logit_bias"] and dict(p["logit_bias"])})
               for p in plan["sampling"]]
+    allowed = None if plan["allowed"] is None else mask_rows(plan["allowed"], len(plan["slots"]))
     return PrefillBatch(plan["slots"], plan["prompts"], plan["starts"], plan["pages"], params, plan["seeds"],
                         plan["last"], plan["roots"], plan["prompt_lens"], plan["bans"], plan["histories"],
-                        plan["scored"])
+                        plan["scored"], allowed)
 
 
 def prefill_plan(batch: PrefillBatch) -> dict:
     """The ``prefill`` plan of ``batch`` (what :func:`prefill_batch` reads back; logit_bias as [id, bias] pairs,
-    msgpack's maps take no integer keys everywhere)."""
-    sampling = [{**vars(p), "logit_bias": p.logit_bias and list(p.logit_bias.items())} for p in batch.params]
+    msgpack's maps take no integer keys everywhere; a grammar as its first tokens' masks: the matchers stay with the
+    engine)."""
+    sampling = [{**vars(p), "logit_bias": p.logit_bias and list(p.logit_bias.items()), "structured_outputs": None}
+                for p in batch.params]
     return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "starts": batch.starts,
             "pages": batch.pages, "sampling": sampling, "seeds": batch.seeds, "last": batch.last,
             "roots": batch.roots, "prompt_lens": batch.prompt_lens, "bans": batch.bans, "histories": batch.histories,
-            "scored": batch.scored}
+            "scored": batch.scored, "allowed": None if batch.allowed is None else mask_bytes(batch.allowed)}
 
 
 class Worker(ABC):
@@ -79,6 +96,7 @@ class Worker(ABC):
         self.device = torch.device("cuda", 0) if args.device.startswith("cuda") else torch.device("cpu")
         self.tp, self.link = SINGLE, None
         self.runner = None
+        self.channel: PlanClient | None = None  # the engine's, while the step loop runs
 
     @property
     def name(self) -> str:
@@ -112,15 +130,17 @@ class Worker(ABC):
         """This actor's part of a prefill; shard 0 returns the first tokens."""
 
     @abstractmethod
-    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0) -> dict | None:
-        """This actor's part of one speculative step (with ``chunk`` riding in its verify pass, padded to ``rows``);
-        shard 0 returns the tokens, shard 0 and the drafter their stage times."""
+    def step(self, batch: StepBatch, chunk: PrefillBatch | None = None, rows: int = 0,
+             grammars: list[int] | None = None) -> dict | None:
+        """This actor's part of one speculative step (with ``chunk`` riding in its verify pass, padded to ``rows``;
+        ``grammars``: the sequences with a grammar, their masks made by the engine mid-step); shard 0 returns the
+        tokens, shard 0 and the drafter their stage times."""
 
     def run(self, address: tuple[str, int] | str) -> None:
         """The step loop: this actor's one long-running call, whose ``ObjectRef`` is its liveness sentinel.
         Reads plans until the engine closes the channel. A failing step sends its traceback to the engine
         (which reports it) and ends the loop."""
-        channel = PlanClient(address, self.name, self.args.join_timeout_s)
+        channel = self.channel = PlanClient(address, self.name, self.args.join_timeout_s)
         try:
             with torch.no_grad():
                 while True:
@@ -144,7 +164,7 @@ class Worker(ABC):
         if op == "step":
             chunk = prefill_batch(plan["chunk"]) if plan.get("chunk") else None
             return self.step(StepBatch(plan["slots"], plan["nodes"], {int(k): v for k, v in plan["pages"].items()}),
-                             chunk, plan.get("rows", 0))
+                             chunk, plan.get("rows", 0), plan.get("grammars"))
         if op == "noop":
             return {"tokens": [[7] * plan["tau"] for _ in plan["slots"]], "seconds": {}} if self.reports_tokens \
                 else None

@@ -17,11 +17,6 @@ from kdray.model.loader import LoadedTarget, load_drafter, load_target, parse_dt
 from kdray.spec.budget import BudgetPolicy
 from kdray.spec.grammar import Grammars
 
-# Why Ray engines refuse structured_outputs (one plan per step goes to the drafter and the shards at once)
-RAY_GRAMMAR_REFUSAL = ("distributed='ray' does not carry a grammar's token mask: the mask needs each step's draft tree "
-                       "on the host between draft and verify, and the actors' step plan runs both in one go; serve "
-                       "it in-process (tp=1)")
-
 
 class LocalModels:
     """The target and the drafter in this process (loaded here, or given already loaded)."""
@@ -68,7 +63,7 @@ def build_engine(args: EngineArgs, target: LoadedTarget | None = None,
     scheduler = Scheduler(PagePool(layout.num_pages, args.page_size, args.prefix_caching), layout,
                           args.max_tokens_per_step, args.prefill_chunk or args.max_tokens_per_step)
     policy = warm_up(runner, layout)
-    grammars = Grammars(tok, cfg.vocab_size, eos, RAY_GRAMMAR_REFUSAL if args.distributed == "ray" else None)
+    grammars = Grammars(tok, cfg.vocab_size, eos)
     return Engine(runner, scheduler, tok, layout.max_model_len, cfg.vocab_size, eos, facts.name, layout.spec.nodes,
                   policy, grammars=grammars), facts
 

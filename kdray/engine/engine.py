@@ -16,7 +16,7 @@ from kdray.engine.sequence import Sequence
 from kdray.engine.step import Pending, PrefillBatch, StepBatch
 from kdray.model.tokenizer import IncrementalDetokenizer
 from kdray.spec.budget import BudgetPolicy
-from kdray.spec.grammar import Grammars, GrammarState
+from kdray.spec.grammar import Grammars, GrammarState, next_token_masks
 
 TEXT_PIECES = 1024  # pieces of a request's unreported text kept before they are joined into one
 
@@ -193,7 +193,7 @@ class Engine:
                 roots=[s.output_ids[-1] if s.output_ids else None for s in seqs],
                 prompt_lens=[len(s.prompt_ids) for s in seqs], bans=[self._ban(s.params) for s in seqs],
                 histories=[s.context_ids if b == s.prefill_len and "penalties" in s.params.features else None
-                           for s, _, b in chunks], grammars=_grammars(seqs),
+                           for s, _, b in chunks], allowed=_first_masks(seqs, self.vocab_size),
                 scored=[s.prompt_ids[a + 1:b + 1] if s.scores_prompt else [] for s, a, b in chunks])
             now = time.perf_counter()
             for seq, _, end in chunks:
@@ -209,7 +209,7 @@ class Engine:
         launches = []
         if prefill is not None:
             launches.append(_Launch(seqs, prefilled, prefill=True, last=prefill.last, starts=prefill.starts,
-                                    grammar=prefill.grammars is not None))
+                                    grammar=prefill.allowed is not None))
         if step is not None:
             launches.append(_Launch(batch, stepped, prefill=False, nodes=nodes, at=time.perf_counter(),
                                     grammar=step.grammars is not None))
@@ -386,6 +386,12 @@ def _emits(launch: _Launch, i: int, seq: Sequence) -> int:
     """1 if ``launch`` emits a token for ``seq``, its ``i``-th sequence: a step always; a prefill when the chunk ends
     the context of a request with no output yet (a resumed one chose its next token before it was preempted)."""
     return int(not launch.prefill or (launch.last[i] and not seq.output_ids))
+
+
+def _first_masks(seqs: list[Sequence], vocab: int):
+    """The tokens each sequence's first token may be ``[B, ceil(vocab/32)]``, or None when none has a grammar."""
+    grammars = _grammars(seqs)
+    return None if grammars is None else next_token_masks(grammars, vocab)
 
 
 def _grammars(seqs: list[Sequence]) -> list[GrammarState | None] | None:

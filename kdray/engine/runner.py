@@ -71,7 +71,7 @@ def riding_rows(layout: EngineLayout, prefill: PrefillBatch, step: StepBatch, gr
     padded chunk past the block table. The engine's runner decides (in-process, or for the shards on Ray)."""
     T = len(prefill.prompts[0])
     if (len(prefill.slots) != 1 or T > layout.step_chunk or any(prefill.scored)
-            or prefill.grammars is not None or step.grammars is not None or plain_chunk(layout, T, prefill.starts[0])):
+            or prefill.allowed is not None or step.grammars is not None or plain_chunk(layout, T, prefill.starts[0])):
         return None
     return prompt_bucket(layout, T, prefill.starts) if graphs else T
 
@@ -398,9 +398,8 @@ class ModelRunner:
         inputs = self.slots.inputs(idx, self.slots.all_greedy(batch.slots), extras)
         changes = self.slots.transforms(idx, at, extras)
         chosen = logits if changes is None else apply_transforms(logits, changes)
-        if batch.grammars is not None:  # the first token follows its grammar too
-            roots = root_only_tree(torch.zeros(len(batch.slots), dtype=torch.int64))
-            chosen = masked(chosen, tree_masks(batch.grammars, roots, logits.shape[1]).to(self.device))
+        if batch.allowed is not None:  # the first token follows its grammar too
+            chosen = masked(chosen, batch.allowed.to(self.device))
         first = choose_tokens(chosen, at, inputs.params)
         given = device_array([-1 if r is None else r for r in batch.roots], self.device)  # [B]
         first = torch.where(given >= 0, given, first)  # [B]
@@ -555,19 +554,25 @@ class ModelRunner:
                                             nodes=batch.nodes)
         return packed, masses, timer
 
-    def settle_step(self, batch: StepBatch, tree: torch.Tensor, prefill: PrefillBatch | None = None, rows: int = 0
+    def settle_step(self, batch: StepBatch, tree: torch.Tensor, prefill: PrefillBatch | None = None, rows: int = 0,
+                    allowed: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None, StageTimer, Prefilled | None]:
         """A shard's half: verify, accept and commit the packed trees, advance the slots -> (the committed
         result packed ``[Bp, 2 + (1+L)]``, the path's context features ``[Bp, 1+L, F]`` or None, the emitted
         tokens' log-probabilities (values, ids) ``[Bp, 1+L, 1+K]`` where asked, else None; the timer; the riding
         chunk's result or None). ``prefill``: a lone chunk riding in the verify pass, padded to ``rows``
-        (:func:`riding_rows`)."""
+        (:func:`riding_rows`). ``allowed``: the grammars' masks of the tree nodes ``[Bp * (1+N), ceil(V/32)]`` (then
+        the step runs eagerly)."""
         self.slots.set_pages(batch.pages)
         chunk = self._riding_chunk(prefill, rows) if prefill is not None else None
+        options = dict(greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
+                       extras=self.slots.extras(batch.slots))
+        graphs = self._settle_graphs
+        if allowed is not None:  # eagerly, as the in-process step with grammars
+            options["allowed"], graphs = allowed, None
         (packed, features, chunk_logits, chunk_features, *logprobs), timer = self._run(
-            self._settle_fn, self._settle_graphs, self.slot_index(batch.slots), tree,
-            *(chunk.tensors() if chunk else ()), greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
-            extras=self.slots.extras(batch.slots))
+            self._settle_fn, graphs, self.slot_index(batch.slots), tree, *(chunk.tensors() if chunk else ()),
+            **options)
         started = None
         if chunk is not None:
             T = len(prefill.prompts[0])
@@ -625,10 +630,12 @@ class ModelRunner:
         return tree.pack(), masses
 
     def _settle_fn(self, timer: StageTimer, idx: torch.Tensor, tree: torch.Tensor, *chunk: torch.Tensor, greedy: bool,
-                   nodes: int, extras: tuple[str, ...]):
+                   nodes: int, extras: tuple[str, ...], allowed: torch.Tensor | None = None):
         """A shard's step -> (packed result, path features, the riding chunk's logits ``[1, V]`` and features
-        ``[C, F]`` or None, the log-probabilities); ``chunk`` as :meth:`_step_fn` takes it."""
+        ``[C, F]`` or None, the log-probabilities); ``chunk`` as :meth:`_step_fn` takes it, ``allowed`` as
+        :meth:`settle_step`."""
         inputs = self.slots.inputs(idx, greedy, extras)
+        inputs.allowed = allowed
         committed, verified = self.settle(DraftTree.unpack(tree, nodes), inputs, timer,
                                           ChunkRows(*chunk) if chunk else None)
         self._advance(idx, committed, extras)

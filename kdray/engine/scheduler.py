@@ -100,26 +100,25 @@ class Scheduler:
     def reserve(self, batch: list[Sequence]) -> list[Sequence]:
         """Give each sequence of ``batch`` the pages its next step can write; when the pool runs dry, preempt the
         most recently admitted running sequences. Returns the sequences that can step now."""
-        ready, preemptions = [], self.preemptions
+        ready, victims = [], set()  # ids of the sequences preempted here (one released at once is marked no more)
         for seq in batch:
+            if id(seq) in victims:
+                continue
             need = min(self.pool.pages_for(seq.cached_len + self.lookahead), self.max_pages) - len(seq.pages)
             while need > self.pool.free_pages():
                 victim = next((s for s in reversed(self.running) if not s.preempted and s is not seq), None)
                 if victim is None:
                     break
                 self.preempt(victim)
+                victims.add(id(victim))
                 if victim.inflight == 0:
                     self.release(victim)
-            if seq.preempted:
-                continue
             if need > self.pool.free_pages():
                 continue  # its pages come back once the preempted sequences' steps in flight are applied
             if need > 0:
                 seq.pages += self.pool.allocate(need)
             ready.append(seq)
-        if self.preemptions == preemptions:
-            return ready
-        return [s for s in ready if not s.preempted]  # a victim may have been ready before a later one's need
+        return [s for s in ready if id(s) not in victims]  # a victim may have been ready before a later one's need
 
     def preempt(self, seq: Sequence):
         """Stop ``seq`` from stepping; its pages and slot come back (:meth:`release`) once nothing in flight writes

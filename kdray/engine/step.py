@@ -52,7 +52,9 @@ class PrefillBatch:
     histories: list[list[int] | None]  # a last chunk of a penalised request: its whole context (else None)
     # prompt_logprobs: the prompt tokens after the chunk's first positions, one each, that they score (else [])
     scored: list[list[int]]
-    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one (in-process only)
+    # with a grammar in the batch: per sequence the tokens its first token may be, [B, ceil(V/32)] int32 on the host
+    # (:func:`~kdray.spec.grammar.next_token_masks`; every token for a sequence without one), else None
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,13 @@ class StepBatch:
     """The slots of the sequences that take one speculative step, and the draft nodes each verifies (0: plain
     decoding). Each slot's bonus token (the tree's root) and cached length live on the device, advanced by every
     step, so the host never has to know them to launch. With ``grammars`` the step runs eagerly, its trees on the
-    host between draft and verify for their masks."""
+    engine's host between draft and verify for their masks (on Ray the drafter sends them there, and the masks go to
+    the shards)."""
 
     slots: list[int]
     nodes: int
     pages: dict[int, list[int]] = field(default_factory=dict)  # slot -> its pages, where they grew since last sent
-    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one (in-process only)
+    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one
 
 
 @dataclass

@@ -5,8 +5,10 @@ A request's grammar (a JSON schema, any JSON object, or an xgrammar structural t
 compiled by :class:`Grammars` (xgrammar caches compiled grammars), and the request's :class:`GrammarState` follows
 its committed output. Before a step's tree is verified, :func:`tree_masks` walks each grammar row's tree
 depth-first from the committed state (consume a node's token, fill the mask of what may follow, roll back), so a
-node's mask is the one plain decoding applies after that node's path and chain and DDTree stay lossless. The masks
-go to the device as one bitmask ``[R, ceil(V/32)]`` int32; :func:`masked` sets the logits they exclude to -inf.
+node's mask is the one plain decoding applies after that node's path and chain and DDTree stay lossless; a prompt's
+first token takes :func:`next_token_masks`. The masks are made on the engine's host (its matchers are the only
+ones), as one bitmask ``[R, ceil(V/32)]`` int32 that goes to the device (on Ray, to every shard); :func:`masked` sets
+the logits they exclude to -inf.
 
 The matcher reads each token id's bytes (:func:`token_bytes`): a special token is the byte 0xFF (never in UTF-8
 text) and its name, so no text matches it and a grammar names it by its id; ids past the tokenizer's vocabulary
@@ -161,6 +163,15 @@ def tree_masks(states: list[GrammarState | None], tree: DraftTree, vocab: int) -
         state.matcher.traverse_draft_tree(first, after, tokens[b, :n], out[b * width:b * width + n])
     out[(out == 0).all(1)] = -1  # unreachable nodes, and nodes past the grammar's end: never accepted
     return out
+
+
+def next_token_masks(states: list[GrammarState | None], vocab: int) -> torch.Tensor:
+    """``[B, ceil(vocab/32)]`` int32 on the host: per sequence the tokens its grammar allows next (every token without
+    one): :func:`tree_masks` of one-node trees."""
+    B = len(states)
+    roots = DraftTree(tokens=torch.zeros(B, 1, dtype=torch.int64), parents=torch.full((B, 1), -1, dtype=torch.int32),
+                      depths=None, num_nodes=torch.ones(B, dtype=torch.int32), mask=None)
+    return tree_masks(states, roots, vocab)
 
 
 def _first_child_next_sibling(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
