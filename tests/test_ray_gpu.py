@@ -1,6 +1,6 @@
 """The engine on Ray actors on GPUs: the NCCL group, the drafter on a share of shard 0's GPU (gloo link)
 or on a GPU of its own (NCCL link), tensor and expert parallelism over NCCL on a K2-architecture model
-with INT4 experts, and a shard killed while its peer waits in an NCCL collective.
+with INT4 experts, grammar requests, and a shard killed while its peer waits in an NCCL collective.
 
 Each test starts a local Ray cluster that sees the number of GPUs it asks for (skipped if the machine
 has fewer), so one machine with two GPUs runs every layout."""
@@ -13,6 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from test_grammar import GRAMMAR, PLAIN
+from test_grammar import PROMPTS as GRAMMAR_PROMPTS
 from test_ray_runtime import PROMPTS, SPEC, generate, tokens
 
 from kdray import LLM, SamplingParams
@@ -115,6 +117,20 @@ def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int
             if flip is not None:
                 at = margin_at(local.engine.runner.target, prompt + theirs[:flip], [ours[flip]])
                 assert at["gaps"][0] <= NEAR_TIE * abs(at["top"]), (prompt, flip, at)
+
+
+@pytest.mark.parametrize("ray_gpus,tp", [(1, 1), (2, 2)], indirect=["ray_gpus"])
+def test_grammar_requests_on_gpus_equal_in_process_in_fp32(ray_gpus, tp, random_k2):
+    """structured_outputs on GPU actors in fp32 (plain steps from CUDA graphs, grammar steps eager): the masks reach
+    shard 0 over the channel and the other shard over NCCL; token for token the in-process output."""
+    fp32 = {"device": "cuda", "dtype": "float32"}
+    params = [SamplingParams(max_tokens=32, structured_outputs=GRAMMAR),
+              SamplingParams(max_tokens=32, structured_outputs=GRAMMAR, temperature=1.0, seed=7), PARAMS]
+    prompts = GRAMMAR_PROMPTS[:2] + [PLAIN]
+    with LLM(model=random_k2, **SPEC, **fp32) as local:
+        reference = tokens(local.generate(prompt_token_ids=prompts, sampling_params=params))
+    with LLM(model=random_k2, **SPEC, **fp32, tp=tp, distributed="ray") as llm:
+        assert tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
 
 
 @pytest.mark.parametrize("ray_gpus", [2], indirect=True)
