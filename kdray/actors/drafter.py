@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kdray.actors.worker import LoadReport, Worker
+from kdray.actors.worker import LoadReport, Worker, int32_bytes
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner
 from kdray.engine.step import PrefillBatch, StepBatch, add_seconds
@@ -50,7 +50,7 @@ class DrafterWorker(Worker):
         r = self.runner
         tree, masses, timer = r.propose_step(batch)
         if grammars:
-            self.channel.send({"trees": tree[:len(batch.slots)].cpu().numpy().tobytes()})
+            self.channel.send({"trees": int32_bytes(tree[:len(batch.slots)])})
         self.link.broadcast(tree, self.link.rank)
         rows, path = r.padded(len(batch.slots)), r.spec.depth + 1
         packed = self._receive(rows, 2 + path, dtype=torch.int64)  # [Bp, 2 + (1+L)]

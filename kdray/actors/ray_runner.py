@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Callable
 
 import ray
-import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -26,7 +25,7 @@ from kdray.actors.channel import PlanServer, WorkerFailure, pack
 from kdray.actors.communicator import CommunicatorTimeout, missing_ranks
 from kdray.actors.drafter import DrafterWorker
 from kdray.actors.shard import ShardWorker
-from kdray.actors.worker import LoadReport, mask_bytes, prefill_plan
+from kdray.actors.worker import LoadReport, int32_bytes, int32_rows, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
 from kdray.engine.runner import launch
@@ -319,9 +318,9 @@ class RayRunner:
         if packed is None:
             masks = next_token_masks(batch.grammars, self.vocab_size)  # [B, W]
         else:
-            tree = DraftTree.unpack(torch.frombuffer(bytearray(packed), dtype=torch.int32).view(B, -1), batch.nodes)
+            tree = DraftTree.unpack(int32_rows(packed, B), batch.nodes)
             masks = tree_masks(batch.grammars, tree, self.vocab_size)  # [B * (1+N), W]
-        actors.send({"op": "allowed", "masks": mask_bytes(masks.view(B, width, -1)[seqs])}, ("shard 0",))
+        actors.send({"op": "allowed", "masks": int32_bytes(masks.view(B, width, -1)[seqs])}, ("shard 0",))
         return time.perf_counter() - start
 
     def launch(self, prefill: PrefillBatch | None, step: StepBatch | None) -> tuple[Pending | None, Pending | None]:

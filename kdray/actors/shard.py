@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kdray.actors.worker import LoadReport, Worker, mask_rows
+from kdray.actors.worker import LoadReport, Worker, int32_rows
 from kdray.engine.layout import EngineLayout, kv_pages_that_fit
 from kdray.engine.runner import ModelRunner, Prefilled
 from kdray.engine.step import PrefillBatch, StepBatch, add_seconds, unpack_logprobs, unpack_tokens
@@ -61,7 +61,7 @@ class ShardWorker(Worker):
             if frame.get("op") != "allowed":
                 raise RuntimeError(f"expected the step's grammar masks from the engine, got a '{frame.get('op')}' "
                                    "frame")
-            masks.copy_(mask_rows(frame["masks"], len(seqs) * width).view_as(masks))
+            masks.copy_(int32_rows(frame["masks"], len(seqs) * width).view_as(masks))
         if self.tp.size > 1:
             self.tp.broadcast(masks, 0)
         allowed = torch.full((self.runner.padded(len(batch.slots)), width, words), -1, dtype=torch.int32,

@@ -53,20 +53,20 @@ class LoadReport:
     draft_config: DFlashConfig | None = None
 
 
-def mask_bytes(masks: torch.Tensor) -> bytes:
-    """Grammar masks (int32 bitmask rows on the host) as a plan carries them."""
-    return masks.numpy().tobytes()
+def int32_bytes(t: torch.Tensor) -> bytes:
+    """An int32 tensor's values (grammar masks, packed trees) as a plan or a reply carries them."""
+    return t.cpu().numpy().tobytes()
 
 
-def mask_rows(data: bytes, rows: int) -> torch.Tensor:
-    """Inverse of :func:`mask_bytes`: ``[rows, ceil(V/32)]`` int32."""
+def int32_rows(data: bytes, rows: int) -> torch.Tensor:
+    """Inverse of :func:`int32_bytes`: ``[rows, -1]`` int32 on the host."""
     return torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, -1)
 
 
 def prefill_batch(plan: dict) -> PrefillBatch:
     params = [SamplingParams(**{**p, "logit_bias": p["logit_bias"] and dict(p["logit_bias"])})
               for p in plan["sampling"]]
-    allowed = None if plan["allowed"] is None else mask_rows(plan["allowed"], len(plan["slots"]))
+    allowed = None if plan["allowed"] is None else int32_rows(plan["allowed"], len(plan["slots"]))
     return PrefillBatch(plan["slots"], plan["prompts"], plan["starts"], plan["pages"], params, plan["seeds"],
                         plan["last"], plan["roots"], plan["prompt_lens"], plan["bans"], plan["histories"],
                         plan["scored"], allowed)
@@ -81,7 +81,7 @@ def prefill_plan(batch: PrefillBatch) -> dict:
     return {"op": "prefill", "slots": batch.slots, "prompts": batch.prompts, "starts": batch.starts,
             "pages": batch.pages, "sampling": sampling, "seeds": batch.seeds, "last": batch.last,
             "roots": batch.roots, "prompt_lens": batch.prompt_lens, "bans": batch.bans, "histories": batch.histories,
-            "scored": batch.scored, "allowed": None if batch.allowed is None else mask_bytes(batch.allowed)}
+            "scored": batch.scored, "allowed": None if batch.allowed is None else int32_bytes(batch.allowed)}
 
 
 class Worker(ABC):
