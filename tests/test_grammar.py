@@ -28,6 +28,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"enum": ["ada", "bob"]}, "b": {
 GRAMMAR = StructuredOutputsParams(json=SCHEMA)
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44], [300, 2, 9]]
 PLAIN = [9, 8, 7, 6]  # a plain request batched with the grammar ones
+# PROMPTS' requests under the grammar (two greedy, one seeded) and PLAIN's, seeded: the mix the engine-level tests run
+MIXED = [SamplingParams(max_tokens=40, structured_outputs=GRAMMAR)] * 2 + [
+    SamplingParams(max_tokens=40, structured_outputs=GRAMMAR, temperature=1.0, seed=7),
+    SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=3)]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -155,13 +159,10 @@ def test_grammar_requests_under_preemption_end_as_with_room(random_k2, spec, pag
     prefilled again, each ends as with room, and every page comes back. (A grammar step's result is applied before
     the next launch, so a sequence preempted there had nothing in flight and was released at once: later in the same
     batch, it stepped from the waiting queue, its tokens applied to it, its pages lost at its next admission.)"""
-    params = [SamplingParams(max_tokens=40, structured_outputs=GRAMMAR)] * 2 + [
-        SamplingParams(max_tokens=40, structured_outputs=GRAMMAR, temperature=1.0, seed=7),
-        SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=3)]
     prompts = [p * 8 for p in PROMPTS + [PLAIN]]
 
     def run(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=MIXED)]
 
     tight = LLM(model=random_k2, num_pages=pages, max_num_seqs=4, prefix_caching=False, **spec)
     assert run(tight) == run(LLM(model=random_k2, **spec))

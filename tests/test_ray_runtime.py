@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
-from test_grammar import GRAMMAR, PLAIN, SCHEMA
+from test_grammar import GRAMMAR, MIXED, PLAIN, SCHEMA
 from test_grammar import PROMPTS as GRAMMAR_PROMPTS
 from test_scheduler import record_riding_rows, staggered
 
@@ -154,15 +154,12 @@ def test_grammar_requests_on_ray_equal_in_process_ar(cluster, random_k2, spec):
     nodes' mid-step from the drafter's trees, or without a drafter the roots'), which reach every shard: greedy and
     seeded grammar requests and a plain one batched with them give in-process AR's tokens; those that end parse and
     follow the schema."""
-    params = [SamplingParams(max_tokens=40, structured_outputs=GRAMMAR)] * 2 + [
-        SamplingParams(max_tokens=40, structured_outputs=GRAMMAR, temperature=1.0, seed=7),
-        SamplingParams(max_tokens=10, ignore_eos=True)]
     prompts = GRAMMAR_PROMPTS + [PLAIN]
     with LLM(model=random_k2, spec="ar") as llm:
-        expected = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        expected = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=MIXED)]
     kw = {"drafter": "random", "budget": 16, "block_size": 8} if spec == "ddtree" else {}
     with LLM(model=random_k2, spec=spec, tp=2, distributed="ray", **kw) as llm:
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=MIXED)
     assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for c in expected]
     ended = [o.outputs[0] for o in outs[:3] if o.outputs[0].finish_reason == "stop"]
     assert ended
