@@ -2,8 +2,9 @@
 Kimi-K2's tokenizer files (``tiktoken.model``, ``tokenizer_config.json``) and a K2-style chat template with tools.
 
 After the assistant's header the model greets the user; with tools declared it calls get_weather and get_time in
-K2's tool-call tokens; once a tool call is in the conversation it answers. Decoding follows the script whatever
-the temperature (the margins are wide); a token outside the script is followed by a uniform draw.
+K2's tool-call tokens; once a tool call is in the conversation it answers. The thinking variant (``thinking=True``,
+as Kimi-K2-Thinking) first writes THOUGHT between ``<think>`` and ``</think>``, then the same. Decoding follows the
+script whatever the temperature (the margins are wide); a token outside the script is followed by a uniform draw.
 
 How: each scripted token's embedding is a direction of its own, and the LM head maps it to the next token.
 Where the next token depends on the conversation, layer 0's attention looks for one marker token per head
@@ -26,6 +27,7 @@ from test_tokenizer import K2_SPECIALS, write_k2_dir
 
 from kdray.model.presets import k2_tiny_path
 from kdray.model.tokenizer import KIMI_PATTERN
+from kdray.serve.reasoning import THINK, THINK_END
 from kdray.serve.tool_calls import K2_ARGUMENTS, K2_CALL, K2_CALL_END, K2_SECTION, K2_SECTION_END
 
 END = "<|im_end|>"  # a turn's end: the checkpoint's EOS
@@ -34,6 +36,7 @@ MARKERS = (DECLARE, K2_SECTION, ID0, ID1)  # "tool_declare": tools are declared;
 GREETING = ["Hello!", " I am a tiny Kimi-K2,", " served by kdray.", END]
 ANSWER = ["It is 12°C", " and raining in Paris,", " at 14:05.", END]
 WEATHER_ARGUMENTS, TIME_ARGUMENTS = ['{"city": ', '"Paris"}'], ['{"timezone": ', '"Europe/Paris"}']
+THOUGHT = ["Let me think.", " A greeting is polite."]
 
 
 def _always(*chain: str) -> dict:
@@ -51,7 +54,10 @@ SCRIPT = {
     K2_ARGUMENTS: [(WEATHER_ARGUMENTS[0], (), (ID1,)), (TIME_ARGUMENTS[0], (ID1,), ())],
     K2_CALL_END: [(K2_CALL, (), (ID1,)), (K2_SECTION_END, (ID1,), ())],
 }
-GREETING_TEXT, ANSWER_TEXT = "".join(GREETING[:-1]), "".join(ANSWER[:-1])
+# the thinking variant: the assistant's header opens a thought; what followed the header follows its end
+THINKING_SCRIPT = {**SCRIPT, "<|im_middle|>": [(THINK, (), ())], **_always(THINK, *THOUGHT, THINK_END),
+                   THINK_END: SCRIPT["<|im_middle|>"]}
+GREETING_TEXT, ANSWER_TEXT, THOUGHT_TEXT = "".join(GREETING[:-1]), "".join(ANSWER[:-1]), "".join(THOUGHT)
 CALLS = [("get_weather", {"city": "Paris"}, ID0), ("get_time", {"timezone": "Europe/Paris"}, ID1)]
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"The {name[4:]} of a place",
                                            "parameters": {"type": "object", "properties": {k: {"type": "string"}
@@ -101,6 +107,16 @@ CHAT_TEMPLATE = """
 {%- endfor -%}
 {%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}
 """
+# K2-Thinking's way, simplified: an assistant message's reasoning_content in a thought before its content (K2-Thinking
+# keeps only the current turn's); thinking=false (K2.5's argument) closes an empty thought, open_thought opens one
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- elif message.role == 'assistant' -%}<|im_assistant|>{{ role_name }}<|im_middle|>",
+    "{%- elif message.role == 'assistant' -%}<|im_assistant|>{{ role_name }}<|im_middle|><think>"
+    "{{ message.reasoning_content or '' }}</think>").replace(
+    "<|im_assistant|>assistant<|im_middle|>{%- endif -%}",
+    "<|im_assistant|>assistant<|im_middle|>{%- if thinking is false -%}<think></think>{%- elif open_thought -%}"
+    "<think>{%- endif -%}{%- endif -%}")
+assert THINKING_TEMPLATE.count("<think>") == 3
 
 SCALE = 10.0  # a scripted token's embedding, and a flag, in the residual stream (equal: the LM head compares them)
 NEXT, WRONG = 40.0, 8.0  # LM head: the scripted next token; what each unmet condition costs
@@ -111,8 +127,9 @@ def _texts() -> list[str]:
     """The tokens after the 256 single bytes: the scripted ones that are not special tokens (named in
     tokenizer_config.json), then the pre-tokenizer's pieces of a little text (tiktoken encodes a piece that is a
     token as that token: prompts stay short)."""
-    tokens = {t for token, rules in SCRIPT.items() for t in (token, *(r[0] for r in rules))} | set(MARKERS)
-    scripted = sorted(t for t in tokens if not t.startswith("<|"))
+    tokens = {t for script in (SCRIPT, THINKING_SCRIPT) for token, rules in script.items()
+              for t in (token, *(r[0] for r in rules))} | set(MARKERS)
+    scripted = sorted(t for t in tokens if t not in K2_SPECIALS.values())
     pieces = regex.findall(KIMI_PATTERN, json.dumps(TOOLS) + CORPUS, flags=regex.V1)
     return scripted + sorted({p for p in pieces if len(p.encode()) > 1} - set(scripted))
 
@@ -124,29 +141,32 @@ def token_ids() -> dict[str, int]:
     return {t: 256 + i for i, t in enumerate(texts)} | {t: n + k for k, t in K2_SPECIALS.items()}
 
 
-def make_k2_chat_checkpoint(path: Path) -> Path:
-    """Write the checkpoint to ``path``; return it."""
+def make_k2_chat_checkpoint(path: Path, thinking: bool = False) -> Path:
+    """Write the checkpoint to ``path`` (``thinking``: the variant that thinks first); return it."""
     ranks = {bytes([b]): b for b in range(256)} | {t.encode(): 256 + i for i, t in enumerate(_texts())}
     write_k2_dir(path, ranks)
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE if thinking else CHAT_TEMPLATE, encoding="utf-8")
     ids = token_ids()
     src = k2_tiny_path()
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(eos_token_id=ids[END], bos_token_id=ids["[BOS]"])
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file(_scripted_weights(load_file(str(src / "model.safetensors")), cfg, ids), str(path / "model.safetensors"))
+    script = THINKING_SCRIPT if thinking else SCRIPT
+    save_file(_scripted_weights(load_file(str(src / "model.safetensors")), cfg, ids, script),
+              str(path / "model.safetensors"))
     return path
 
 
-def _scripted_weights(t: dict[str, torch.Tensor], cfg: dict, ids: dict[str, int]) -> dict[str, torch.Tensor]:
+def _scripted_weights(t: dict[str, torch.Tensor], cfg: dict, ids: dict[str, int], script: dict
+                      ) -> dict[str, torch.Tensor]:
     H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, v_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    keyed = list(dict.fromkeys([*SCRIPT, *MARKERS]))  # tokens with a direction of their own
+    keyed = list(dict.fromkeys([*script, *MARKERS]))  # tokens with a direction of their own
     dim = {token: d for d, token in enumerate(keyed)}
     other, flag = len(keyed), {m: len(keyed) + 1 + h for h, m in enumerate(MARKERS)}
     assert other + 1 + len(MARKERS) <= H and len(MARKERS) <= heads
-    triggers = [token for token, rules in SCRIPT.items() if any(r[1] or r[2] for r in rules)]
-    watched = {token: {m for r in SCRIPT[token] for m in (*r[1], *r[2])} for token in triggers}
+    triggers = [token for token, rules in script.items() if any(r[1] or r[2] for r in rules)]
+    watched = {token: {m for r in script[token] for m in (*r[1], *r[2])} for token in triggers}
 
     for name in t:
         if "layernorm" in name or name == "model.norm.weight":
@@ -184,7 +204,7 @@ def _scripted_weights(t: dict[str, torch.Tensor], cfg: dict, ids: dict[str, int]
 
     # The LM head scores a rule NEXT, less WRONG per marker present that must not be or absent that must be
     head = torch.zeros_like(t["lm_head.weight"])
-    for token, rules in SCRIPT.items():
+    for token, rules in script.items():
         for nxt, must, must_not in rules:
             head[ids[nxt], dim[token]] += NEXT - WRONG * len(must)
             for m in must:

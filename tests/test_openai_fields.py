@@ -122,6 +122,7 @@ FIELDS = {
         "add_generation_prompt": changes(False, lambda a, b: texts(a) != texts(b) and prompt_tokens_differ(a, b),
                                          seed=1),
         "continue_final_message": changes(True, prompt_tokens_differ, "random", continue_final_message=False),
+        "include_reasoning": refused(False),  # this model does not think (test_reasoning shows one that does)
         **{name: refused(value) for name, value in {
             "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text"], "function_call": "auto",
             "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},

@@ -23,7 +23,8 @@ from kdray.model.tokenizer import (CACHED_PIECE_CHARS, KIMI_PATTERN, TIKTOKEN_MA
 K2_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
                6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
                13: "<|tool_calls_section_begin|>", 14: "<|tool_calls_section_end|>", 15: "<|tool_call_begin|>",
-               16: "<|tool_call_argument_begin|>", 17: "<|tool_call_end|>", 18: "<|im_middle|>", 255: "[PAD]"}
+               16: "<|tool_call_argument_begin|>", 17: "<|tool_call_end|>", 18: "<|im_middle|>", 22: "<think>",
+               23: "</think>", 255: "[PAD]"}  # <think> and </think>: K2-Thinking's
 
 # K2-style: a tool declaration turn, <|im_*|> role markers, tool calls in their section, a tool turn under system
 CHAT_TEMPLATE = """

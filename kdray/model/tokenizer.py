@@ -345,11 +345,12 @@ class Tokenizer:
                 raise ValueError("continue_final_message: there are no messages to continue")
             messages[-1] = _mark_final(messages[-1])
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **template_kwargs}
-        text = render_chat_template(self._template(tools), messages=messages, tools=tools, documents=documents,
+        text = render_chat_template(self.template_source(tools), messages=messages, tools=tools, documents=documents,
                                     add_generation_prompt=add_generation_prompt, **context)
         return _cut_at_mark(text) if continue_final_message else text
 
-    def _template(self, tools: list[dict] | None) -> str:
+    def template_source(self, tools: list[dict] | None) -> str:
+        """The chat template a request renders with (a "tool_use" one, where the checkpoint has it, for tools)."""
         if isinstance(self.chat_template, str):
             return self.chat_template
         name = "tool_use" if tools is not None and "tool_use" in self.chat_template else "default"

@@ -343,6 +343,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant's reasoning, for a thinking model's template
 
     @field_validator("content", mode="before")
     @classmethod
@@ -357,8 +358,9 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise FieldError(("tool_calls",), f"only assistant messages carry tool calls, not {self.role} messages")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise FieldError((name,), f"only assistant messages carry {name}, not {self.role} messages")
         if (self.tool_call_id is None) == (self.role == "tool"):
             raise FieldError(("tool_call_id",), "a tool message needs the id of the tool call it answers" if
                              self.role == "tool" else f"only tool messages answer a tool call, not {self.role} ones")
@@ -438,6 +440,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     # "none", "auto", or forcing a call: "required" (one or, with parallel_tool_calls, more) or a NamedToolChoice
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: the reply's first tool call only
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning_content out of the reply
 
     @field_validator("tool_choice")
     @classmethod
@@ -522,9 +525,13 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; a thinking model's says how many of the completion's tokens were reasoning."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def sse(obj: dict) -> str:

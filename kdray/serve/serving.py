@@ -21,6 +21,7 @@ from kdray.serve.async_engine import AsyncEngine, EngineDead, EngineRestarted, Q
 from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
+from kdray.serve.reasoning import ReasoningFormat, ReasoningSplit
 from kdray.serve.tool_calls import ParsedCall, ToolCallParser, ToolText
 from kdray.spec.structured_outputs import StructuredOutputsParams
 
@@ -57,6 +58,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.tool_calls = ToolCallParser(self.tokenizer) if self.tokenizer is not None else None
+        self.reasoning = ReasoningFormat.of(self.tokenizer)  # None: the model does not think
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -82,9 +84,15 @@ class OpenAIServing:
         req = validate(ChatCompletionRequest, data)
         self._check_model(req.model)
         self._check_size(1, req.n)
+        if not req.include_reasoning and self.reasoning is None:
+            raise APIError(400, f"include_reasoning: model '{self.model_name}' does not think (its chat template "
+                           "writes no <think>), so its replies have no reasoning to leave out; leave the field out",
+                           param="include_reasoning", code="invalid_value")
         ids = await asyncio.to_thread(self._render, req)
         tools = self.tool_calls if req.parses_tool_calls else None
-        return await self._generate(req, [ids], arrived, chat=True, tools=tools)
+        thought = None if self.reasoning is None else _Thought(self.reasoning, self.reasoning.opened(ids),
+                                                                 req.include_reasoning)
+        return await self._generate(req, [ids], arrived, chat=True, tools=tools, thought=thought)
 
     async def tokenize(self, data: dict) -> dict:
         """``POST /tokenize`` (vLLM's): the token ids of a ``prompt``, or of ``messages`` rendered for chat."""
@@ -157,12 +165,17 @@ class OpenAIServing:
         except ValueError as e:  # what continue_final_message needs
             raise APIError(400, str(e), param="continue_final_message" if req.continue_final_message else "messages",
                            code="chat_template_error") from None
+        given = [i for i, m in enumerate(req.messages) if m.reasoning_content is not None]
+        if given and "reasoning_content" not in self.tokenizer.template_source(req.template_arguments()["tools"]):
+            field = f"messages[{given[0]}].reasoning_content"
+            raise APIError(400, f"{field}: the chat template of model '{self.model_name}' does not read it; leave it "
+                           "out", param=field, code="invalid_value")
         return self.tokenizer.encode(text)
 
-    def _grammar(self, req: GenerationRequest) -> StructuredOutputsParams:
+    def _grammar(self, req: GenerationRequest, thought: _Thought | None) -> StructuredOutputsParams:
         """The grammar a constrained request's reply follows (``response_format``, or ``tool_choice`` forcing a call
-        in the model's tool-call format), compiled here (run it off the event loop): one that does not compile is a
-        400 naming its field, and the engine finds it compiled."""
+        in the model's tool-call format; after a thinking model's reasoning), compiled here (run it off the event
+        loop): one that does not compile is a 400 naming its field, and the engine finds it compiled."""
         if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
             functions, several = req.forced_calls()
             grammar = StructuredOutputsParams(structural_tag=self.tool_calls.grammar(
@@ -174,6 +187,9 @@ class OpenAIServing:
             self.engine.engine.grammars.compile(grammar)
         except ValueError as e:
             raise APIError(400, f"{field}: {what}{e}", param=field, code="invalid_value") from None
+        if thought is not None:
+            grammar = thought.format.grammar(grammar, thought.opened)
+            self.engine.engine.grammars.compile(grammar)
         return grammar
 
     def _max_tokens(self, req: GenerationRequest, prompt_len: int, chat: bool) -> int:
@@ -192,13 +208,14 @@ class OpenAIServing:
         return wanted
 
     async def _generate(self, req: GenerationRequest, prompts: list[list[int]], arrived: float, chat: bool,
-                        echo: list[str] | None = None, tools: ToolCallParser | None = None):
+                        echo: list[str] | None = None, tools: ToolCallParser | None = None,
+                        thought: _Thought | None = None):
         """The engine's requests for ``prompts``; their response body, or SSE text (``arrived``: when the handler
-        began, for the server-side time to first token)."""
+        began, for the server-side time to first token; ``thought``: how a thinking model's chat reply starts)."""
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
-        grammar = await asyncio.to_thread(self._grammar, req) if req.constrained else None
+        grammar = await asyncio.to_thread(self._grammar, req, thought) if req.constrained else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = []
         for i, ids in enumerate(prompts):
@@ -219,7 +236,7 @@ class OpenAIServing:
                                         structured_outputs=grammar)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
         response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools,
-                             self._token_text)
+                             self._token_text, thought, self._decode)
         try:
             stream = await self.engine.generate(requests)
         except ValueError as e:  # the engine refused the prompt, or a field ("<field>: why")
@@ -240,15 +257,28 @@ class OpenAIServing:
 
 
 @dataclass
+class _Thought:
+    """How a thinking model's chat reply starts: the model's markers, whether the prompt opened the thought, and
+    whether the reply shows the reasoning (``include_reasoning``)."""
+
+    format: ReasoningFormat
+    opened: bool
+    shown: bool
+
+
+@dataclass
 class _Sent:
-    """What a stream has sent of one choice: its text, its token ids, and per tool call its id and arguments."""
+    """What a stream has sent of one choice (or what a whole body has read of it): its text, its token ids, and per
+    tool call its id and arguments."""
 
     text: str = ""
+    reasoning: str = ""  # the reasoning's text
     ids: int = 0
     calls: list[list] = field(default_factory=list)  # [id, characters of arguments sent]
     offset: int = 0  # characters of the tokens whose log-probabilities are sent (completions' text_offset)
     echoed: bool = False  # the prompt's text (and log-probabilities) sent
     tool_text: ToolText | None = None  # with tools: the reply's text so far, decoded as it grows
+    split: ReasoningSplit | None = None  # a thinking model's: where the reasoning ends, found as the reply grows
 
 
 class _Response:
@@ -256,14 +286,15 @@ class _Response:
 
     def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int,
                  echo: list[str] | None = None, tools: ToolCallParser | None = None,
-                 token_text: Callable[[int], str] = str):
+                 token_text: Callable[[int], str] = str, thought: _Thought | None = None,
+                 decode: Callable[[list[int], str], str] | None = None):
         self.rid, self.model, self.chat, self.choices, self.prompt_tokens = rid, model, chat, choices, prompt_tokens
         self.top, self.token_text = req.reported_logprobs, token_text
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
         self.hold = stop_hold(req.stop)
         self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
         self.generates = req.max_tokens != 0  # 0 (echo): the prompt alone
-        self.tools = tools
+        self.tools, self.thought, self.decode = tools, thought, decode
         self.max_calls = None if getattr(req, "parallel_tool_calls", True) else 1
         self.created = int(time.time())
 
@@ -276,11 +307,14 @@ class _Response:
         return lambda choice: f"{head}{sse(choice)[len('data: '):-2]}]}}\n\n"
 
     def _choice(self, index: int, text: str | None, token_ids: list[int], finish: str | None, delta: bool,
-                tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
+                tool_calls: list[dict] | None = None, logprobs: dict | None = None, reasoning: str | None = None
+                ) -> dict:
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         else:
             message = {} if delta else {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if delta and text:
                 message["content"] = text
             if tool_calls:
@@ -291,25 +325,27 @@ class _Response:
             choice["token_ids"] = token_ids
         return choice
 
-    def _reply(self, c: CompletionOutput, finished: bool, sent: _Sent | None = None
-               ) -> tuple[str, list[ParsedCall], str | None]:
-        """A choice's content, tool calls and finish reason so far: with tools, the text before the calls (all the
-        text when the finished reply has none) and finish reason "tool_calls" when it has. ``sent``: the choice's
-        stream, whose :class:`ToolText` decodes only the ids it has not seen."""
+    def _reply(self, c: CompletionOutput, finished: bool, sent: _Sent
+               ) -> tuple[str | None, str, list[ParsedCall], str | None]:
+        """A choice's reasoning (None: it does not think), content, tool calls and finish reason so far: with tools,
+        the content's text before the calls (all of it when the finished reply has none) and finish reason
+        "tool_calls" when it has. ``sent``: the choice's, whose :class:`ToolText` and :class:`ReasoningSplit` read
+        only the ids they have not seen."""
+        reasoning, text, ids = None, c.text, c.token_ids
+        if self.thought is not None:
+            sent.split = sent.split or ReasoningSplit(self.thought.format, self.thought.opened)
+            sent.split.feed(c.token_ids)
+            reasoning, text = sent.split.texts(c.text, c.token_ids, lambda part: self.decode(part, "messages"))
+            ids = [] if sent.split.content is None else c.token_ids[sent.split.content:]
         if self.tools is None:
-            return c.text, [], c.finish_reason
-        if sent is None:
-            text, at = self.tools.text(c.token_ids), None
-        else:
-            sent.tool_text = sent.tool_text or ToolText(self.tools)
-            text = sent.tool_text.text(c.token_ids, finished)
-            at = sent.tool_text.first_call()
-        reply = self.tools.parse(text, finished, at)
+            return reasoning, text, [], c.finish_reason
+        sent.tool_text = sent.tool_text or ToolText(self.tools)
+        reply = self.tools.parse(sent.tool_text.text(ids, finished), finished, sent.tool_text.first_call())
         calls = reply.calls[:self.max_calls]
         if not finished:
-            return reply.content, calls, None
+            return reasoning, reply.content, calls, None
         done = [call for call in calls if call.complete]
-        return (reply.content, done, "tool_calls") if done else (c.text, [], c.finish_reason)
+        return (reasoning, reply.content, done, "tool_calls") if done else (reasoning, text, [], c.finish_reason)
 
     def _sample(self, out: RequestOutput) -> CompletionOutput:
         """A choice's sample as answered: with ``max_tokens`` 0, none of it (the token the engine drew is dropped)."""
@@ -322,31 +358,45 @@ class _Response:
         return (out.prompt_token_ids, out.prompt_logprobs) if self.echo and self.top is not None else ([], [])
 
     def body(self, outputs: list[RequestOutput]) -> dict:
-        choices, generated = [], 0
-        for index, out in enumerate(outputs):
+        choices, read = [], [_Sent() for _ in outputs]
+        for index, (out, sent) in enumerate(zip(outputs, read)):
             c = self._sample(out)
-            generated += len(c.token_ids)
-            text, calls, finish = self._reply(c, finished=True)
+            sent.ids = len(c.token_ids)
+            reasoning, text, calls, finish = self._reply(c, True, sent)
             if self.echo:
                 text = self.echo[index] + text
             tool_calls = [_tool_call(call, call.id or _call_id()) for call in calls]
             ids, found = self._echoed(out)
-            logprobs = self._logprobs(ids + c.token_ids, found + (c.logprobs or []), _Sent())
+            logprobs = self._logprobs(ids + c.token_ids, found + (c.logprobs or []), sent)
             choices.append(self._choice(index, (text or None) if calls else text, c.token_ids, finish, False,
-                                        tool_calls, logprobs))
+                                        tool_calls, logprobs, self._shown(reasoning)))
             if self.token_ids:
                 choices[-1]["prompt_token_ids"] = out.prompt_token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage(self.prompt_tokens, generated)}
+                "usage": self._usage(read)}
 
-    def _delta(self, c: CompletionOutput, finished: bool, sent: _Sent) -> tuple[str, list[dict], str | None]:
-        """What a choice adds to what its stream has sent: text, tool-call deltas, the finish reason.
+    def _usage(self, sent: list[_Sent]) -> dict:
+        """The usage of the choices read (``sent``): a thinking model's counts its reasoning tokens too."""
+        reasoning = None if self.thought is None else sum(s.split.tokens for s in sent if s.split is not None)
+        return usage(self.prompt_tokens, sum(s.ids for s in sent), reasoning)
+
+    def _shown(self, reasoning: str | None) -> str | None:
+        """The reasoning a reply shows: none when the request leaves it out (``include_reasoning``: false)."""
+        return reasoning if self.thought is not None and self.thought.shown else None
+
+    def _delta(self, c: CompletionOutput, finished: bool, sent: _Sent
+               ) -> tuple[str | None, str, list[dict], str | None]:
+        """What a choice adds to what its stream has sent: reasoning (None: none), text, tool-call deltas, the finish
+        reason.
 
         A running request's text is sent only as far as it is settled: not a tail that could still become a stop
         string (which is cut from the output) nor half a UTF-8 character (the engine's text is; the text of a reply
         with tools, decoded here, is held back here). A tool call is sent with its id and name, then its arguments
         as they grow."""
-        content, calls, finish = self._reply(c, finished, sent)
+        reasoning, content, calls, finish = self._reply(c, finished, sent)
+        thought = None
+        if (reasoning := self._shown(reasoning)) is not None and len(reasoning) > len(sent.reasoning):
+            thought, sent.reasoning = reasoning[len(sent.reasoning):], reasoning
         if not finished and self.tools is not None:  # the engine holds back its own text; this one is made here
             content = content[:len(content) - self.hold].rstrip("\ufffd")
         text = content[len(sent.text):]
@@ -363,7 +413,7 @@ class _Response:
                 deltas.append(_tool_call(call, sent.calls[i][0], arguments, index=i))
             elif arguments:
                 deltas.append({"index": i, "function": {"arguments": arguments}})
-        return text, deltas, finish
+        return thought, text, deltas, finish
 
     def _logprobs(self, tokens: list[int], logprobs: list[dict[int, Logprob] | None], sent: _Sent) -> dict | None:
         """The log-probabilities of ``tokens`` (each one's ``{token id: Logprob}``; None for a prompt's first, which
@@ -413,19 +463,18 @@ class _Response:
                     choice = self._choice(index, self.echo[index], [], None, True, logprobs=logprobs)
                     yield chunk(choice)
                 c = self._sample(out)
-                text, tool_calls, finish = self._delta(c, out.finished, sent[index])
+                thought, text, tool_calls, finish = self._delta(c, out.finished, sent[index])
                 ids = c.token_ids[sent[index].ids:]
                 logprobs = self._logprobs(ids, (c.logprobs or [])[sent[index].ids:], sent[index])
                 sent[index].ids = len(c.token_ids)
-                if text or ids or tool_calls or finish:
-                    choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs)
+                if text or ids or tool_calls or finish or thought:
+                    choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs, thought)
                     yield chunk(choice)
                     if ids and first_token is not None:
                         first_token()
                         first_token = None
             if self.include_usage:
-                yield sse({**self._head(obj), "choices": [],
-                           "usage": usage(self.prompt_tokens, sum(s.ids for s in sent))})
+                yield sse({**self._head(obj), "choices": [], "usage": self._usage(sent)})
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the status line is gone: report the error in the stream
             yield sse(api_error(e, "a stream").body())

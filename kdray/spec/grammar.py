@@ -119,6 +119,31 @@ class Grammars:
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
 
 
+def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int, opened: bool
+                    ) -> StructuredOutputsParams:
+    """``params``' grammar (one that compiles) after a thought: an optional ``think ... think_end`` (``opened``: the
+    prompt opened it, so its rest and ``think_end``, required), any tokens but the two markers inside, as one
+    structural tag."""
+    import xgrammar as xgr
+
+    if params.json is not None:
+        grammar = str(xgr.Grammar.from_json_schema(params.json if isinstance(params.json, str) else json.dumps(
+            params.json), any_whitespace=False, strict_mode=params.disable_additional_properties))
+        answer = {"type": "grammar", "grammar": grammar}
+    elif params.json_object:
+        answer = {"type": "grammar", "grammar": json_object_grammar()}
+    else:
+        answer = json.loads(params.structural_tag)["format"]
+    thought = [{"type": "any_tokens", "exclude_tokens": [think, think_end]}, {"type": "token", "token": think_end}]
+    if opened:
+        prefix = {"type": "sequence", "elements": thought}
+    else:
+        prefix = {"type": "optional", "content": {"type": "sequence",
+                                                  "elements": [{"type": "token", "token": think}, *thought]}}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [prefix, answer]}}
+    return StructuredOutputsParams(structural_tag=json.dumps(tag))
+
+
 def json_object_grammar() -> str:
     """xgrammar's built-in JSON grammar (fast masks), its root narrowed from an object or array to an object."""
     import xgrammar as xgr
