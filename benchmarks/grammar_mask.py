@@ -5,8 +5,10 @@ The vocabulary is tiktoken-style byte-level BPE: SmolLM2's 49152 tokens (the GGU
 special ids. A JSON document is split into tokens by longest match; each library's matcher walks it, and every
 position's mask fill (one bit per token) is timed. Grammars, as kdray compiles them: a JSON schema (an object with a
 string, a bounded integer, an enum, an array and a nested object; one line, ", " and ": ") and json_object (any JSON
-object). xgrammar runs through kdray's own :class:`~kdray.spec.grammar.Grammars`. Compile time is the
-grammar's, with the tokenizer already built. The first walk of each grammar (which pays for what a library
+object). xgrammar runs through kdray's own :class:`~kdray.spec.grammar.Grammars`; its third row is the schema after a
+thinking model's free thought (:func:`~kdray.spec.grammar.after_reasoning`: any token but the two markers), timed at
+the thought's THOUGHT positions, which a long reasoning pays at every token. Compile time is the grammar's, with the
+tokenizer already built. The first walk of each grammar (which pays for what a library
 builds lazily) is reported as a whole and left out of the percentiles and the mean.
 
     python benchmarks/grammar_mask.py            # prints one table (p50 / p99 microseconds per token)
@@ -23,11 +25,13 @@ import torch
 
 from kdray.model.gguf import smollm2_path
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
-from kdray.spec.grammar import Grammars, byte_level_alphabet
+from kdray.spec.grammar import Grammars, after_reasoning, byte_level_alphabet
 from kdray.spec.structured_outputs import StructuredOutputsParams
 
 VOCAB = 163840
 SPECIALS = 256  # K2's block of special ids at the end of the vocabulary; the first is EOS here
+THINK, THINK_END = 1, 2  # special ids (after the byte tokens) that stand for <think> and </think>
+THOUGHT = 200  # tokens of free reasoning before the document
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -97,6 +101,11 @@ class XGrammar:
 
     def compile(self, schema: dict | None):
         params = StructuredOutputsParams(json_object=True) if schema is None else StructuredOutputsParams(json=schema)
+        return self.grammars.compile(params)
+
+    def compile_after_thought(self, schema: dict, vocab: list[bytes]):
+        params = after_reasoning(StructuredOutputsParams(json=schema), len(vocab) + THINK, len(vocab) + THINK_END,
+                                 opened=False)
         return self.grammars.compile(params)
 
     def walk(self, grammar, ids: list[int]) -> list[float]:
@@ -186,6 +195,20 @@ def _version(package: str) -> str:
     return version(package)
 
 
+def _thought_row(lib: XGrammar, vocab: list[bytes], ids: list[int], repeats: int, setup: float) -> tuple:
+    """The schema after a free thought of THOUGHT random tokens: mask times at the thought's positions."""
+    start = time.perf_counter()
+    grammar = lib.compile_after_thought(SCHEMA, vocab)
+    compiled = time.perf_counter() - start
+    rng = random.Random(1)
+    walk = [len(vocab) + THINK, *(rng.randrange(len(vocab)) for _ in range(THOUGHT)), len(vocab) + THINK_END, *ids]
+    first = sum(lib.walk(grammar, walk))
+    times = [t for _ in range(repeats) for t in lib.walk(grammar, walk)[1:1 + THOUGHT]]
+    p50, p99 = percentiles([t * 1e6 for t in times])
+    return (f"xgrammar {lib.version}", "json_schema after a thought (its positions)", f"{p50:.1f}", f"{p99:.1f}",
+            f"{statistics.mean(times) * 1e6:.1f}", f"{first * 1e3:.1f}", f"{setup:.1f}", f"{compiled * 1e3:.0f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=20, help="walks of the document per library and grammar")
@@ -215,6 +238,8 @@ def main():
             rows.append((f"{name} {lib.version}", grammar_name, f"{p50:.1f}", f"{p99:.1f}",
                          f"{statistics.mean(times) * 1e6:.1f}", f"{first * 1e3:.1f}", f"{setup:.1f}",
                          f"{compiled * 1e3:.0f}"))
+        if name == "xgrammar":
+            rows.append(_thought_row(lib, vocab, ids, args.repeats, setup))
     head = ("library", "grammar", "mask p50 us", "mask p99 us", "mask mean us", "first walk ms", "tokenizer s",
             "compile ms")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
