@@ -165,6 +165,9 @@ def test_replies_without_complete_calls_keep_their_text(k2, hermes):
         assert message == {"role": "assistant", "content": tok.decode(ids)}
         got = streamed(_Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok)), outs)
         assert got["finish_reason"] == finish
-        if finish == "stop":  # a cut call's name and arguments so far were streamed as they came
+        if finish == "stop":
             assert (got["content"], got["tool_calls"]) == (tok.decode(ids), [])
+        else:  # a cut call's name and arguments so far were streamed as they came, and its text is not sent again
+            assert got["content"] == reply[:reply.index("<|tool_calls")]
+            assert [c["function"]["name"] for c in got["tool_calls"]] == ["get_weather"]
 

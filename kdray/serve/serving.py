@@ -345,7 +345,11 @@ class _Response:
         if not finished:
             return reasoning, reply.content, calls, None
         done = [call for call in calls if call.complete]
-        return (reasoning, reply.content, done, "tool_calls") if done else (reasoning, text, [], c.finish_reason)
+        if done:
+            return reasoning, reply.content, done, "tool_calls"
+        if sent.calls:  # a stream that sent a call cut short (finish "length") does not send its text as content too
+            return reasoning, reply.content, [], c.finish_reason
+        return reasoning, text, [], c.finish_reason
 
     def _sample(self, out: RequestOutput) -> CompletionOutput:
         """A choice's sample as answered: with ``max_tokens`` 0, none of it (the token the engine drew is dropped)."""
