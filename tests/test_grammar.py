@@ -18,7 +18,7 @@ from kdray import LLM, SamplingParams, StructuredOutputsParams
 from kdray.kernels.tree_build import DraftTree
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
 from kdray.serve.protocol import APIError
-from kdray.serve.tool_calls import ToolCallParser
+from kdray.serve.tool_calls import ToolCallParser, ToolText
 from kdray.spec.grammar import SPECIAL_LEAD, Grammars, masked, token_bytes, tree_masks
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["ada", "bob"]}, "b": {"type": "boolean"},
@@ -205,8 +205,8 @@ def test_hermes_forced_call_grammar_takes_its_calls_and_nothing_else(markers):
     assert takes(reply.split("\n<tool_call>")[0], False)
     assert not takes("Sure. " + reply, True)
     assert not takes(reply.replace("get_time", "get_date"), True)
-    assert [(c.name, c.arguments) for c in parser.parse(parser.text(tok.encode(reply)), True).calls] == [
-        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    calls = parser.parse(ToolText(parser).text(tok.encode(reply), True), True).calls
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
 
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "rain": {"type": "boolean"}},

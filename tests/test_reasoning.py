@@ -178,6 +178,7 @@ def test_the_grammar_after_a_thought_lets_the_thought_run_free_then_holds_the_re
     assert accepts(False, [*json_ids, eos])  # no thought at all
     assert not accepts(False, [fmt.think, *text, eos])  # the reply cannot end inside the thought
     assert not accepts(False, [fmt.think, *text, fmt.think_end, *text])  # the rest is JSON
+    assert not accepts(False, [fmt.think, fmt.section])  # a tool-call section waits for the thought's end
     assert accepts(True, [*text, fmt.think_end, *json_ids, eos])
     assert not accepts(True, [fmt.think])  # a thought the prompt opened is not opened again
     assert not accepts(True, [*json_ids, eos])  # ... and is closed first

@@ -156,7 +156,8 @@ def test_replies_without_complete_calls_keep_their_text(k2, hermes):
     rng = random.Random(1)
     cases = [(k2, "Just text, no tools.", "stop"), (hermes, "Just text <tool", "stop"),
              (hermes, "Bad: <tool_call>{\"name\": \"get_weather\", \"arguments\": [1]}</tool_call>", "stop"),
-             (k2, K2_REPLY[:K2_REPLY.index("<|tool_call_end|>")], "length")]  # cut inside the first call
+             (k2, K2_REPLY[:K2_REPLY.index("<|tool_call_end|>")], "length"),  # cut inside the first call
+             (k2, "Stray <|tool_call_end|> and <|tool_call_begin|>, no call.", "stop")]  # markers outside a section
     for tok, reply, finish in cases:
         ids = tok.encode(reply)
         outs = outputs(tok, ids, rng, finish)

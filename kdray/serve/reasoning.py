@@ -42,8 +42,10 @@ class ReasoningFormat:
 
     def grammar(self, params: StructuredOutputsParams, opened: bool) -> StructuredOutputsParams:
         """``params``' grammar after a thought: a whole ``<think>...</think>`` or none (``opened``: the rest of the
-        thought, then ``</think>``), free of every token but the two markers."""
-        return after_reasoning(params, self.think, self.think_end, opened)
+        thought, then ``</think>``), free of every token but the markers (K2's tool-call section waits for the
+        grammar too, which may call tools after the thought)."""
+        held = () if self.section is None else (self.section,)
+        return after_reasoning(params, self.think, self.think_end, opened, held)
 
 
 class ReasoningSplit:

@@ -85,20 +85,9 @@ class ToolCallParser:
         ids = [i for i, t in self.markers.items() if t == text]
         return {"type": "token", "token": ids[0]} if ids else _text(text)
 
-    def text(self, ids: list[int]) -> str:
-        """``ids`` decoded with the format's tokens written out (decoding skips special tokens)."""
-        pieces, run = [], []
-        for i in ids:
-            if i in self.markers:
-                pieces += [self.tokenizer.decode(run), self.markers[i]]
-                run = []
-            else:
-                run.append(i)
-        return "".join(pieces) + self.tokenizer.decode(run)
-
     def parse(self, text: str, final: bool, at: int | None = None) -> ParsedReply:
-        """The content and calls of ``text`` (from :meth:`text`); ``final`` once the reply has ended; ``at``: where the
-        first call starts in it (-1: nowhere), when the caller knows (:meth:`ToolText.first_call`)."""
+        """The content and calls of ``text`` (a :class:`ToolText`'s); ``final`` once the reply has ended; ``at``: where
+        the first call starts in it (-1: nowhere), when the caller knows (:meth:`ToolText.first_call`)."""
         at = text.find(self.start) if at is None else at
         if at < 0:
             return ParsedReply(text if final else _hold(text, self.start), [])
@@ -107,21 +96,24 @@ class ToolCallParser:
 
 
 class ToolText:
-    """:meth:`ToolCallParser.text` of a growing reply (a stream's), decoding only the ids added since the last call,
-    and where its first call starts, looked for only in the text added since (decoding the whole reply, or searching
-    all of it, at every step made a reply of n tokens cost O(n^2)). While the reply runs its text holds back a
-    character still unfinished; once it has ended it equals ``parser.text(ids)``."""
+    """A reply's text as :meth:`ToolCallParser.parse` reads it: decoded, with the format's tokens written out from the
+    first call's start on (before it they decode as decoding does: a special token as nothing). It grows with the
+    reply (a stream's), decoding only the ids added since the last call, and where its first call starts is looked
+    for only in the text added since (decoding the whole reply, or searching all of it, at every step made a reply of
+    n tokens cost O(n^2)). While the reply runs its text holds back a character still unfinished."""
 
     def __init__(self, parser: ToolCallParser):
         self.parser, self.seen, self.settled = parser, 0, ""
         self._run = IncrementalDetokenizer(parser.tokenizer)  # the ids since the last marker
         self._at, self._searched = -1, 0  # where the first call starts (-1: not yet), in the first _searched chars
+        self._started = False  # the first call's start marker has been written
 
     def text(self, ids: list[int], final: bool) -> str:
         """The text of ``ids`` (this reply's ids so far: those seen before, then new ones); ``final`` once it ended."""
         markers, new = self.parser.markers, []
         for i in ids[self.seen:]:
-            if i in markers:
+            self._started = self._started or markers.get(i) == self.parser.start
+            if self._started and i in markers:
                 new += [self._run.flush(), markers[i]]
                 self._run = IncrementalDetokenizer(self.parser.tokenizer)
             else:

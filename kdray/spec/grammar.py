@@ -119,11 +119,11 @@ class Grammars:
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
 
 
-def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int, opened: bool
-                    ) -> StructuredOutputsParams:
+def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int, opened: bool,
+                    held: tuple[int, ...] = ()) -> StructuredOutputsParams:
     """``params``' grammar (one that compiles) after a thought: an optional ``think ... think_end`` (``opened``: the
-    prompt opened it, so its rest and ``think_end``, required), any tokens but the two markers inside, as one
-    structural tag."""
+    prompt opened it, so its rest and ``think_end``, required), any tokens inside but the two markers and ``held``
+    (tokens that would end the thought without its marker: they wait for the grammar), as one structural tag."""
     import xgrammar as xgr
 
     if params.json is not None:
@@ -134,7 +134,8 @@ def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int,
         answer = {"type": "grammar", "grammar": json_object_grammar()}
     else:
         answer = json.loads(params.structural_tag)["format"]
-    thought = [{"type": "any_tokens", "exclude_tokens": [think, think_end]}, {"type": "token", "token": think_end}]
+    thought = [{"type": "any_tokens", "exclude_tokens": [think, think_end, *held]},
+               {"type": "token", "token": think_end}]
     if opened:
         prefix = {"type": "sequence", "elements": thought}
     else:
