@@ -281,9 +281,10 @@ def test_prefix_cache_shares_full_pages_and_prefills_only_the_rest():
     runner = FakeRunner(accept=2)
     engine = make_engine(runner, num_pages=64, prefix_caching=True)
     system = list(range(1, 14))  # 13 tokens: 3 full pages of 4
-    run(engine, [system + [20]], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    first = run(engine, [system + [20]], [SamplingParams(max_tokens=3, ignore_eos=True)])
     outs = run(engine, [system + [30, 31]], [SamplingParams(max_tokens=3, ignore_eos=True)])
     assert outs[0].outputs[0].token_ids == expected(system + [30, 31], 3)
+    assert (first[0].num_cached_tokens, outs[0].num_cached_tokens) == (0, 12)  # what usage reports
     second = runner.prefills[-1]
     assert second.starts == [12] and second.prompts == [[13, 30, 31]]  # 3 cached pages, the rest prefilled
     assert engine.scheduler.prefix_hits == 3
@@ -299,11 +300,11 @@ def test_prefix_cache_counts_each_admitted_request_once():
     engine.add_request("big", [45] * 24, SamplingParams(max_tokens=4, ignore_eos=True))  # the rest of the pool
     engine.step()
     engine.add_request("c", system + [30, 31], SamplingParams(max_tokens=3, ignore_eos=True))
-    waited = 0
+    waited, cached = 0, {}
     while engine.has_unfinished_requests():
         waited += any(s.request_id == "c" for s in engine.scheduler.waiting)
-        engine.step()
-    assert waited >= 2
+        cached |= {out.request_id: out.num_cached_tokens for out in engine.step()}
+    assert waited >= 2 and cached == {"a": 0, "big": 0, "c": 12}
     # a's 3 pages, big's 5 (a prompt's last token is never cached), c's 3 found once
     assert (engine.scheduler.prefix_lookups, engine.scheduler.prefix_hits) == (3 + 23 // 4 + 3, 3)
 

@@ -208,3 +208,20 @@ def test_max_tokens_0_with_echo_answers_the_prompt_alone(serving, stream):
     assert (text, ids, finish, used["completion_tokens"]) == (body["prompt"], [], "length", 0)
     assert len(lp["tokens"]) == len(prompt_ids) == used["prompt_tokens"] and lp["token_logprobs"][0] is None
     assert all(v is not None for v in lp["token_logprobs"][1:])
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(serving):
+    """A prompt's full pages are cached once it has run (but its last token's): the same prompt again reports them
+    in ``usage.prompt_tokens_details.cached_tokens``, streamed too; n choices count their prompt once."""
+    page = serving.engine.engine.scheduler.page_size
+    messages = [{"role": "user", "content": "Paris weather report " * 12 + "please, in detail."}]  # a few pages
+    first = call(serving, "chat", {"messages": messages, "max_tokens": 2})["usage"]
+    again = call(serving, "chat", {"messages": messages, "max_tokens": 2})["usage"]
+    held = (first["prompt_tokens"] - 1) // page * page
+    assert held >= 2 * page and first["prompt_tokens_details"]["cached_tokens"] < held  # the template's head may be
+    assert again["prompt_tokens_details"] == {"cached_tokens": held}
+    chunks = call(serving, "chat", {"messages": messages, "max_tokens": 2, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"] == again
+    two = call(serving, "chat", {"messages": messages, "max_tokens": 2, "n": 2})["usage"]
+    assert (two["prompt_tokens"], two["prompt_tokens_details"]) == (first["prompt_tokens"], {"cached_tokens": held})

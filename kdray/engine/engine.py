@@ -379,7 +379,8 @@ class Engine:
                                                seq.cumulative_logprob if asked else None,
                                                seq.logprobs[ids:] if asked else None)],
                              seq.finished, seq.metrics(),
-                             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
+                             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+                             num_cached_tokens=seq.cached_prompt or 0)
 
 
 def _emits(launch: _Launch, i: int, seq: Sequence) -> int:

@@ -189,6 +189,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     prompt: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held at the request's first admission
 
     def add(self, later: RequestOutput):
         """Join ``later``, the next streamed output of the same request (what it added since this one), onto this

@@ -64,6 +64,8 @@ class Scheduler:
                 self.prefix_lookups, self.prefix_hits = self.prefix_lookups + looked, self.prefix_hits + len(cached)
             seq.pages, seq.slot = cached + self.pool.allocate(need), self._free_slots.pop()
             seq.prefill_len, seq.prefilled, seq.registered = n, len(cached) * ps, len(cached)
+            if seq.cached_prompt is None:
+                seq.cached_prompt = seq.prefilled
             self.running.append(seq)
             admitted.append(seq)
         return admitted

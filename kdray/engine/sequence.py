@@ -33,6 +33,7 @@ class Sequence:
     prefilled: int = 0  # of those, the ones whose prefill (chunk by chunk, or from the prefix cache) is launched
     keys: list = field(default_factory=list)  # prefix-cache chain keys of the full pages of its committed tokens
     registered: int = 0  # pages put in the prefix cache
+    cached_prompt: int | None = None  # prompt tokens found in the prefix cache at its first admission
     pages_sent: int = 0  # pages the runner's block-table row holds
     preempted: bool = False  # to give its pages back once nothing in flight writes them, then wait again
     inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet

@@ -525,10 +525,12 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
-    """OpenAI's usage; a thinking model's says how many of the completion's tokens were reasoning."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None
+          ) -> dict:
+    """OpenAI's usage: with the prompt tokens the prefix cache held, and for a thinking model how many of the
+    completion's tokens were reasoning."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out

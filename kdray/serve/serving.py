@@ -274,6 +274,7 @@ class _Sent:
     text: str = ""
     reasoning: str = ""  # the reasoning's text
     ids: int = 0
+    cached: int = 0  # prompt tokens the prefix cache held
     calls: list[list] = field(default_factory=list)  # [id, characters of arguments sent]
     offset: int = 0  # characters of the tokens whose log-probabilities are sent (completions' text_offset)
     echoed: bool = False  # the prompt's text (and log-probabilities) sent
@@ -293,6 +294,7 @@ class _Response:
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
         self.hold = stop_hold(req.stop)
         self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
+        self.n = req.n
         self.generates = req.max_tokens != 0  # 0 (echo): the prompt alone
         self.tools, self.thought, self.decode = tools, thought, decode
         self.max_calls = None if getattr(req, "parallel_tool_calls", True) else 1
@@ -365,7 +367,7 @@ class _Response:
         choices, read = [], [_Sent() for _ in outputs]
         for index, (out, sent) in enumerate(zip(outputs, read)):
             c = self._sample(out)
-            sent.ids = len(c.token_ids)
+            sent.ids, sent.cached = len(c.token_ids), out.num_cached_tokens
             reasoning, text, calls, finish = self._reply(c, True, sent)
             if self.echo:
                 text = self.echo[index] + text
@@ -380,9 +382,10 @@ class _Response:
                 "usage": self._usage(read)}
 
     def _usage(self, sent: list[_Sent]) -> dict:
-        """The usage of the choices read (``sent``): a thinking model's counts its reasoning tokens too."""
+        """The usage of the choices read (``sent``): each prompt counted once (its first choice's cached tokens),
+        and a thinking model's reasoning tokens."""
         reasoning = None if self.thought is None else sum(s.split.tokens for s in sent if s.split is not None)
-        return usage(self.prompt_tokens, sum(s.ids for s in sent), reasoning)
+        return usage(self.prompt_tokens, sum(s.ids for s in sent), sum(s.cached for s in sent[::self.n]), reasoning)
 
     def _shown(self, reasoning: str | None) -> str | None:
         """The reasoning a reply shows: none when the request leaves it out (``include_reasoning``: false)."""
@@ -461,6 +464,7 @@ class _Response:
             async for added in stream:
                 index = int(added.request_id.rsplit("-", 1)[1])
                 out = join_output(whole, added)
+                sent[index].cached = out.num_cached_tokens
                 if self.echo and not sent[index].echoed:
                     sent[index].echoed = True
                     logprobs = self._logprobs(*self._echoed(out), sent[index])
