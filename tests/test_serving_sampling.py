@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from k2_chat import GREETING, make_k2_chat_checkpoint
+from k2_chat import GREETING, make_k2_chat_checkpoint, token_ids
 
 from kdray import LLM, SamplingParams
 from kdray.engine.request import RequestOutput, join_output
@@ -225,3 +225,18 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(serving):
     assert chunks[-1]["usage"] == again
     two = call(serving, "chat", {"messages": messages, "max_tokens": 2, "n": 2})["usage"]
     assert (two["prompt_tokens"], two["prompt_tokens_details"]) == (first["prompt_tokens"], {"cached_tokens": held})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_reply(serving, stream):
+    """vLLM's ``stop_reason``: the first stop string in the text (not the first listed), the stop token id, or null
+    for EOS and max_tokens."""
+    def ended(body: dict) -> tuple:
+        answer = call(serving, "chat", {"messages": USER, "stream": stream, **body})
+        choice = [c["choices"][0] for c in answer if c["choices"]][-1] if stream else answer["choices"][0]
+        return choice["finish_reason"], choice["stop_reason"]
+
+    assert ended({"stop": [" served", "tiny"]}) == ("stop", "tiny")
+    assert ended({"stop_token_ids": [token_ids()[GREETING[1]]]}) == ("stop", token_ids()[GREETING[1]])
+    assert ended({}) == ("stop", None)  # EOS
+    assert ended({"max_tokens": 1}) == ("length", None)

@@ -322,12 +322,13 @@ class Engine:
             may_stop = len(out) >= p.min_tokens
             if by_token:
                 seq.detokenized += 1
-                if self._add_text(seq, detok.add([t]), may_stop):
-                    seq.finish_reason = "stop"
+                if (stop := self._add_text(seq, detok.add([t]), may_stop)) is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop
                     return
-            if may_stop and ((not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids
-                             or (seq.grammar is not None and seq.grammar.ended)):
+            eos = not p.ignore_eos and t in self.eos_token_ids
+            if may_stop and (eos or t in p.stop_token_ids or (seq.grammar is not None and seq.grammar.ended)):
                 seq.finish_reason = "stop"
+                seq.stop_reason = None if eos or t not in p.stop_token_ids else t  # as vLLM: EOS is no stop token
             elif len(out) >= limit:  # max_tokens, or the context limit
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
@@ -341,19 +342,19 @@ class Engine:
             self._add_text(seq, detok.flush(), False)
 
     @staticmethod
-    def _add_text(seq: Sequence, new: str, may_stop: bool) -> bool:
-        """Append ``new`` to the request's text. With ``may_stop``, whether a stop string ends in the held text
+    def _add_text(seq: Sequence, new: str, may_stop: bool) -> str | None:
+        """Append ``new`` to the request's text. With ``may_stop``, the first stop string that ends in the held text
         followed by ``new`` (the last :func:`stop_hold` characters before ``new`` and ``new``: where new text can
-        complete one); if so, the text is cut there (after the stop string with ``include_stop_str_in_output``).
+        complete one), or None; if one does, the text is cut there (after it with ``include_stop_str_in_output``).
         Else all but the last :func:`stop_hold` characters settle: each call costs the text it adds, never the
         length of the text (a long output's text is never copied whole while it grows)."""
         p = seq.params
         text = seq.held + new
-        hits = [(i, i + len(s)) for s in p.stop if (i := text.find(s)) >= 0] if may_stop else []
+        hits = [(i, i + len(s), s) for s in p.stop if (i := text.find(s)) >= 0] if may_stop else []
         if hits:
-            start, end = min(hits)  # the first stop string in the text
+            start, end, stop = min(hits)  # the first stop string in the text
             seq.held = text[:end if p.include_stop_str_in_output else start]
-            return True
+            return stop
         settled = len(text) - stop_hold(p.stop)
         if settled > 0:
             seq.text.append(text[:settled])
@@ -361,7 +362,7 @@ class Engine:
             if len(seq.text) >= TEXT_PIECES:
                 seq.text[:] = ["".join(seq.text)]
         seq.held = text
-        return False
+        return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """What the request added since its last output: its new token ids, log-probabilities and settled text (the
@@ -377,7 +378,7 @@ class Engine:
         return RequestOutput(seq.request_id, seq.prompt_ids,
                              [CompletionOutput(0, text, seq.output_ids[ids:], seq.finish_reason,
                                                seq.cumulative_logprob if asked else None,
-                                               seq.logprobs[ids:] if asked else None)],
+                                               seq.logprobs[ids:] if asked else None, seq.stop_reason)],
                              seq.finished, seq.metrics(),
                              prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
                              num_cached_tokens=seq.cached_prompt or 0)

@@ -171,6 +171,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # None while running, then "stop", "length" or "abort"
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: None)
 
 
 @dataclass
@@ -200,4 +201,5 @@ class RequestOutput:
             if new.logprobs is not None:
                 mine.logprobs.extend(new.logprobs)
             mine.finish_reason, mine.cumulative_logprob = new.finish_reason, new.cumulative_logprob
+            mine.stop_reason = new.stop_reason
         self.finished, self.metrics = later.finished, later.metrics

@@ -48,6 +48,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=lambda: [None])  # per prompt token scored so far (prompt_logprobs)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: another end)
     arrival: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None  # perf_counter when its first prefill chunk was launched
     first_token_at: float | None = None

@@ -309,8 +309,10 @@ class _Response:
         return lambda choice: f"{head}{sse(choice)[len('data: '):-2]}]}}\n\n"
 
     def _choice(self, index: int, text: str | None, token_ids: list[int], finish: str | None, delta: bool,
-                tool_calls: list[dict] | None = None, logprobs: dict | None = None, reasoning: str | None = None
-                ) -> dict:
+                tool_calls: list[dict] | None = None, logprobs: dict | None = None, reasoning: str | None = None,
+                stop_reason: int | str | None = None) -> dict:
+        """One choice's body (or, ``delta``, its chunk); once finished, with vLLM's ``stop_reason``: the stop string
+        or stop token id that ended it."""
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         else:
@@ -323,6 +325,8 @@ class _Response:
                 message["tool_calls"] = tool_calls
             choice = {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
                       "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         if self.token_ids:
             choice["token_ids"] = token_ids
         return choice
@@ -375,7 +379,7 @@ class _Response:
             ids, found = self._echoed(out)
             logprobs = self._logprobs(ids + c.token_ids, found + (c.logprobs or []), sent)
             choices.append(self._choice(index, (text or None) if calls else text, c.token_ids, finish, False,
-                                        tool_calls, logprobs, self._shown(reasoning)))
+                                        tool_calls, logprobs, self._shown(reasoning), c.stop_reason))
             if self.token_ids:
                 choices[-1]["prompt_token_ids"] = out.prompt_token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
@@ -476,7 +480,8 @@ class _Response:
                 logprobs = self._logprobs(ids, (c.logprobs or [])[sent[index].ids:], sent[index])
                 sent[index].ids = len(c.token_ids)
                 if text or ids or tool_calls or finish or thought:
-                    choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs, thought)
+                    choice = self._choice(index, text, ids, finish, True, tool_calls, logprobs, thought,
+                                          c.stop_reason)
                     yield chunk(choice)
                     if ids and first_token is not None:
                         first_token()
