@@ -49,8 +49,9 @@ class ReasoningFormat:
 
 
 class ReasoningSplit:
-    """Where one reply's reasoning lies in its token ids, found as they grow: ``reasoning`` (``[start, end)``; end
-    None while it runs) or None when the reply does not think; ``content``, the first id of the content."""
+    """Where one reply's reasoning lies in its token ids, found as they grow: ``[start, end)`` (``start`` None when the
+    reply does not think, ``end`` None while the reasoning runs) and ``content``, the content's first id (None while
+    the reasoning runs)."""
 
     def __init__(self, fmt: ReasoningFormat, opened: bool):
         self.fmt, self.seen = fmt, 0
