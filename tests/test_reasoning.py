@@ -116,6 +116,8 @@ def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it(thinki
     assert "<think>Be kind.</think>Hi." in text
     with_reasoning = call(thinking, {"messages": turn, "max_tokens": 1})["usage"]["prompt_tokens"]
     assert with_reasoning > call(thinking, {"messages": plain, "max_tokens": 1})["usage"]["prompt_tokens"]
+    renamed = [*USER, {"role": "assistant", "content": "Hi.", "reasoning": "Be kind."}, USER[0]]  # vLLM's newer name
+    assert call(thinking, {"messages": renamed, "max_tokens": 1})["usage"]["prompt_tokens"] == with_reasoning
 
     other = _serving(make_k2_chat_checkpoint(tmp_path / "k2-chat"))  # K2-Instruct's way: no <think> anywhere
     try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from kdray.engine.request import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                   MAX_SEED, MAX_TOKENS, MAX_TOP_K, MAX_VOCAB, SamplingParams)
@@ -343,7 +344,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None  # an assistant's reasoning, for a thinking model's template
+    # an assistant's reasoning, for a thinking model's template ("reasoning": vLLM's newer name and OpenRouter's)
+    reasoning_content: str | None = Field(None, validation_alias=AliasChoices("reasoning_content", "reasoning"))
 
     @field_validator("content", mode="before")
     @classmethod
