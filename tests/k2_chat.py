@@ -11,7 +11,7 @@ Where the next token depends on the conversation, layer 0's attention looks for 
 (sharply: the query of any other token avoids the markers) and writes a flag the LM head reads. Every other
 layer adds nothing.
 
-    python tests/k2_chat.py /tmp/k2-chat     # writes the checkpoint (the README serves it)
+    python tests/k2_chat.py /tmp/k2-chat [--thinking]    # writes the checkpoint (the README serves it)
 """
 from __future__ import annotations
 
@@ -218,4 +218,4 @@ def _scripted_weights(t: dict[str, torch.Tensor], cfg: dict, ids: dict[str, int]
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     shutil.rmtree(out, ignore_errors=True)
-    print(make_k2_chat_checkpoint(out))
+    print(make_k2_chat_checkpoint(out, thinking="--thinking" in sys.argv[2:]))
