@@ -58,6 +58,7 @@ class ReasoningSplit:
         self.start, self.end, self.content = (0, None, None) if opened else (None, None, 0)
         self.decided = opened  # whether the first id has been read (it may open a thought)
         self.boundary: int | None = None  # the reasoning's characters, once it has ended
+        self.reasoning: str | None = None  # its text, once it has ended
 
     @property
     def thinks(self) -> bool:
@@ -89,7 +90,9 @@ class ReasoningSplit:
             return text, ""
         if self.boundary is None:  # decoding skips the markers, so the text up to the end is the reasoning's
             self.boundary = len(decode(ids[:self.end]))
-        return text[:self.boundary], text[self.boundary:]
+        if self.reasoning is None or len(text) < self.boundary:  # made once (unless a stop string cut into it)
+            self.reasoning = text[:self.boundary]
+        return self.reasoning, text[self.boundary:]
 
     @property
     def tokens(self) -> int:

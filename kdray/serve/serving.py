@@ -337,16 +337,16 @@ class _Response:
         the content's text before the calls (all of it when the finished reply has none) and finish reason
         "tool_calls" when it has. ``sent``: the choice's, whose :class:`ToolText` and :class:`ReasoningSplit` read
         only the ids they have not seen."""
-        reasoning, text, ids = None, c.text, c.token_ids
+        reasoning, text, start = None, c.text, 0  # start: the content's first id (None: still reasoning)
         if self.thought is not None:
             sent.split = sent.split or ReasoningSplit(self.thought.format, self.thought.opened)
             sent.split.feed(c.token_ids)
             reasoning, text = sent.split.texts(c.text, c.token_ids, lambda part: self.decode(part, "messages"))
-            ids = [] if sent.split.content is None else c.token_ids[sent.split.content:]
-        if self.tools is None:
+            start = sent.split.content
+        if self.tools is None or start is None:
             return reasoning, text, [], c.finish_reason
-        sent.tool_text = sent.tool_text or ToolText(self.tools)
-        reply = self.tools.parse(sent.tool_text.text(ids, finished), finished, sent.tool_text.first_call())
+        sent.tool_text = sent.tool_text or ToolText(self.tools, start)
+        reply = self.tools.parse(sent.tool_text.text(c.token_ids, finished), finished, sent.tool_text.first_call())
         calls = reply.calls[:self.max_calls]
         if not finished:
             return reasoning, reply.content, calls, None

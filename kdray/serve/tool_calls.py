@@ -102,14 +102,15 @@ class ToolText:
     for only in the text added since (decoding the whole reply, or searching all of it, at every step made a reply of
     n tokens cost O(n^2)). While the reply runs its text holds back a character still unfinished."""
 
-    def __init__(self, parser: ToolCallParser):
-        self.parser, self.seen, self.settled = parser, 0, ""
+    def __init__(self, parser: ToolCallParser, start: int = 0):
+        self.parser, self.seen, self.settled = parser, start, ""  # start: the reply's first id (after a reasoning)
         self._run = IncrementalDetokenizer(parser.tokenizer)  # the ids since the last marker
         self._at, self._searched = -1, 0  # where the first call starts (-1: not yet), in the first _searched chars
         self._started = False  # the first call's start marker has been written
 
     def text(self, ids: list[int], final: bool) -> str:
-        """The text of ``ids`` (this reply's ids so far: those seen before, then new ones); ``final`` once it ended."""
+        """The text of the reply in ``ids`` (all ids so far: those seen before, then new ones); ``final`` once it
+        ended."""
         markers, new = self.parser.markers, []
         for i in ids[self.seen:]:
             self._started = self._started or markers.get(i) == self.parser.start
