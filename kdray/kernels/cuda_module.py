@@ -10,7 +10,9 @@ Inside a graph capture each kernel is launched as a programmatic dependent launc
 the GPU may start it while the kernel ahead of it on the stream still runs, and the kernel waits for that one in
 ``griddep_wait()`` (``cuda/griddep.cuh``) before it touches memory. In a replayed pass of a few tokens this hides
 the gap between one kernel's end and the next one's start. Eager launches stay plain CuPy launches: there the host,
-not the gap, sets the pace.
+not the gap, sets the pace, so they go to CuPy's compiled function with the stream given outright rather than through
+its device and stream context managers (H100: 25.5 instead of 46.8 us of host time a launch; an eager 4k-token K2
+shard pass 68-78 instead of 131 ms of host time).
 """
 from __future__ import annotations
 
@@ -128,6 +130,9 @@ def launch(name: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...]
             _launch_dependent(fn.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
         return
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    if index == torch.cuda.current_device():  # the stream given outright: no device or stream context to enter
+        fn.kernel(grid, block, ptr_args, shared_mem, _cupy_stream(stream.cuda_stream, index))
+        return
     with cupy.cuda.Device(index), _cupy_stream(stream.cuda_stream, index):
         fn(grid, block, ptr_args, shared_mem=shared_mem)
 
