@@ -103,9 +103,8 @@ class Grammars:
             return compiler.compile_grammar(json_object_grammar())
         try:
             if params.json is not None:
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                return compiler.compile_json_schema(schema, any_whitespace=False,  # one line: ", " and ": "
-                                                    strict_mode=params.disable_additional_properties)
+                schema, options = _json_schema(params)
+                return compiler.compile_json_schema(schema, **options)
             return compiler.compile_structural_tag(params.structural_tag)
         except (RuntimeError, ValueError) as e:  # xgrammar's errors carry a source location first
             what = {"json": "JSON schema", "structural_tag": "structural tag"}
@@ -127,9 +126,8 @@ def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int,
     import xgrammar as xgr
 
     if params.json is not None:
-        grammar = str(xgr.Grammar.from_json_schema(params.json if isinstance(params.json, str) else json.dumps(
-            params.json), any_whitespace=False, strict_mode=params.disable_additional_properties))
-        answer = {"type": "grammar", "grammar": grammar}
+        schema, options = _json_schema(params)
+        answer = {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(schema, **options))}
     elif params.json_object:
         answer = {"type": "grammar", "grammar": json_object_grammar()}
     else:
@@ -143,6 +141,13 @@ def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int,
                                                   "elements": [{"type": "token", "token": think}, *thought]}}
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [prefix, answer]}}
     return StructuredOutputsParams(structural_tag=json.dumps(tag))
+
+
+def _json_schema(params: StructuredOutputsParams) -> tuple[str, dict]:
+    """A ``json`` grammar's schema text and the xgrammar options kdray compiles it with: one line (", " and ": "),
+    strict where ``disable_additional_properties`` asks."""
+    schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+    return schema, {"any_whitespace": False, "strict_mode": params.disable_additional_properties}
 
 
 def json_object_grammar() -> str:
