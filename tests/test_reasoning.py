@@ -135,7 +135,7 @@ def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it(thinki
 
 
 def test_a_thought_opened_by_the_prompt_is_its_last_marker():
-    fmt = ReasoningFormat(IDS[THINK], IDS[THINK_END], IDS[K2_SECTION])
+    fmt = ReasoningFormat(None, IDS[THINK], IDS[THINK_END], IDS[K2_SECTION])
     assert fmt.opened([5, IDS[THINK]]) and fmt.opened([IDS[THINK_END], 5, IDS[THINK], 6])
     assert not fmt.opened([5, 6]) and not fmt.opened([IDS[THINK], IDS[THINK_END], 7])
 
@@ -152,7 +152,7 @@ def _split_of(fmt: ReasoningFormat, ids: list[int], opened: bool) -> tuple:
 
 
 def test_the_split_found_as_a_reply_grows_is_the_split_of_the_whole_reply():
-    fmt = ReasoningFormat(IDS[THINK], IDS[THINK_END], IDS[K2_SECTION])
+    fmt = ReasoningFormat(None, IDS[THINK], IDS[THINK_END], IDS[K2_SECTION])  # the split reads ids only
     rng = random.Random(0)
     pool = [fmt.think, fmt.think_end, fmt.section, 300, 301, 302, 303, 304]
     for _ in range(500):

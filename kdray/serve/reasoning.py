@@ -20,10 +20,11 @@ THINK, THINK_END = "<think>", "</think>"
 
 
 class ReasoningFormat:
-    """One thinking model's markers: ``<think>``, ``</think>`` and K2's tool-call section (an implicit end)."""
+    """One thinking model's markers: ``<think>``, ``</think>`` and K2's tool-call section (an implicit end); its
+    tokenizer decodes the reasoning."""
 
-    def __init__(self, think: int, think_end: int, section: int | None):
-        self.think, self.think_end, self.section = think, think_end, section
+    def __init__(self, tokenizer: Tokenizer, think: int, think_end: int, section: int | None):
+        self.tokenizer, self.think, self.think_end, self.section = tokenizer, think, think_end, section
 
     @classmethod
     def of(cls, tokenizer: Tokenizer | None) -> ReasoningFormat | None:
@@ -31,7 +32,7 @@ class ReasoningFormat:
         if tokenizer is None or not any(THINK in t for t in _templates(tokenizer)):
             return None
         ids = [tokenizer.backend.token_to_id(t) for t in (THINK, THINK_END, K2_SECTION)]
-        return None if None in ids[:2] else cls(*ids)
+        return None if None in ids[:2] else cls(tokenizer, *ids)
 
     def opened(self, prompt: list[int]) -> bool:
         """The prompt ends inside a thought: its last marker is ``<think>`` (a template that starts the thought)."""
@@ -81,7 +82,7 @@ class ReasoningSplit:
                     break
         self.seen = len(ids)
 
-    def texts(self, text: str, ids: list[int], decode) -> tuple[str | None, str]:
+    def texts(self, text: str, ids: list[int]) -> tuple[str | None, str]:
         """The reasoning's text (None: the reply does not think) and the content's, from the reply's ``text`` (the
         engine's: stop strings cut, a running reply's unsettled tail held back) and its ``ids``."""
         if not self.thinks:
@@ -89,7 +90,7 @@ class ReasoningSplit:
         if self.end is None:
             return text, ""
         if self.boundary is None:  # decoding skips the markers, so the text up to the end is the reasoning's
-            self.boundary = len(decode(ids[:self.end]))
+            self.boundary = len(self.fmt.tokenizer.decode(ids[:self.end]))
         if self.reasoning is None or len(text) < self.boundary:  # made once (unless a stop string cut into it)
             self.reasoning = text[:self.boundary]
         return self.reasoning, text[self.boundary:]

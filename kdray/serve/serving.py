@@ -236,7 +236,7 @@ class OpenAIServing:
                                         structured_outputs=grammar)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
         response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools,
-                             self._token_text, thought, self._decode)
+                             self._token_text, thought)
         try:
             stream = await self.engine.generate(requests)
         except ValueError as e:  # the engine refused the prompt, or a field ("<field>: why")
@@ -287,8 +287,7 @@ class _Response:
 
     def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int,
                  echo: list[str] | None = None, tools: ToolCallParser | None = None,
-                 token_text: Callable[[int], str] = str, thought: _Thought | None = None,
-                 decode: Callable[[list[int], str], str] | None = None):
+                 token_text: Callable[[int], str] = str, thought: _Thought | None = None):
         self.rid, self.model, self.chat, self.choices, self.prompt_tokens = rid, model, chat, choices, prompt_tokens
         self.top, self.token_text = req.reported_logprobs, token_text
         self.token_ids, self.include_usage = req.return_token_ids, req.include_usage
@@ -296,7 +295,7 @@ class _Response:
         self.echo = None if echo is None else [text for text in echo for _ in range(req.n)]  # per choice
         self.n = req.n
         self.generates = req.max_tokens != 0  # 0 (echo): the prompt alone
-        self.tools, self.thought, self.decode = tools, thought, decode
+        self.tools, self.thought = tools, thought
         self.max_calls = None if getattr(req, "parallel_tool_calls", True) else 1
         self.created = int(time.time())
 
@@ -341,7 +340,7 @@ class _Response:
         if self.thought is not None:
             sent.split = sent.split or ReasoningSplit(self.thought.format, self.thought.opened)
             sent.split.feed(c.token_ids)
-            reasoning, text = sent.split.texts(c.text, c.token_ids, lambda part: self.decode(part, "messages"))
+            reasoning, text = sent.split.texts(c.text, c.token_ids)
             start = sent.split.content
         if self.tools is None or start is None:
             return reasoning, text, [], c.finish_reason
