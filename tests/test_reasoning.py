@@ -109,6 +109,15 @@ def test_a_stop_string_in_the_thought_ends_the_reply_there(thinking):
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_reasoning_held_back_for_a_stop_string_comes_out_whole(thinking, stream):
+    """A stop string right after the thought: the thought's last characters, held back while they could begin it,
+    reach the reasoning when the reply ends (a stream's reasoning was cut where it stood at ``</think>``)."""
+    r = call(thinking, {"stop": ["Hello"], "stream": stream})
+    message = streamed(r) if stream else r["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (THOUGHT_TEXT, "")
+
+
 def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it(thinking, tmp_path):
     turn = [*USER, {"role": "assistant", "content": "Hi.", "reasoning_content": "Be kind."}, USER[0]]
     plain = [*USER, {"role": "assistant", "content": "Hi."}, USER[0]]

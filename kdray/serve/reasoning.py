@@ -91,8 +91,8 @@ class ReasoningSplit:
             return text, ""
         if self.boundary is None:  # decoding skips the markers, so the text up to the end is the reasoning's
             self.boundary = len(self.fmt.tokenizer.decode(ids[:self.end]))
-        if self.reasoning is None or len(text) < self.boundary:  # made once (unless a stop string cut into it)
-            self.reasoning = text[:self.boundary]
+        if self.reasoning is None or len(self.reasoning) != min(len(text), self.boundary):  # made once it is whole
+            self.reasoning = text[:self.boundary]  # (the text may lag the ids, or a stop string cut into it)
         return self.reasoning, text[self.boundary:]
 
     @property
