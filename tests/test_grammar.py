@@ -3,14 +3,16 @@ a matcher fed the node's path, AR == chain == DDTree under a grammar (greedy and
 an oracle's), a plain request batched with grammar ones untouched, the same under preemption, output that parses
 and validates, forced tool calls in K2's and Hermes' formats, and the 400s; served through the OpenAI handlers
 in-process."""
+import dataclasses
 import json
 import random
 
 import jsonschema
 import pytest
 import torch
-from k2_chat import TOOLS
+from k2_chat import TOOLS, token_ids
 from test_ddtree import oracle
+from test_mixed_traffic import chosen_logprobs
 from test_serving_sampling import call, serving  # noqa: F401 - serving is a fixture
 from test_tokenizer import hf_backend  # noqa: F401 - a fixture
 
@@ -19,7 +21,8 @@ from kdray.kernels.tree_build import DraftTree
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
 from kdray.serve.protocol import APIError
 from kdray.serve.tool_calls import ToolCallParser, ToolText
-from kdray.spec.grammar import SPECIAL_LEAD, Grammars, masked, token_bytes, tree_masks
+from kdray.spec.grammar import (SPECIAL_LEAD, Grammars, GrammarState, after_reasoning, masked, next_token_masks,
+                                token_bytes, tree_masks)
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["ada", "bob"]}, "b": {"type": "boolean"},
                                            "c": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -151,18 +154,94 @@ def test_chain_and_ddtree_emit_ar_tokens_under_a_grammar(engines, sampled):
     assert [o.outputs[0].token_ids for o in free] != [c.token_ids[:12] for c in ar[:-1]]  # the grammar acted
 
 
-@pytest.mark.parametrize("spec,pages", [({"spec": "ar"}, 12),
-                                        ({"drafter": "random", "spec": "chain", "block_size": 4}, 14)],
+THINK, THINK_END = token_ids()["<think>"], token_ids()["</think>"]
+
+
+def thinking_params(opened: bool, **how) -> list[SamplingParams]:
+    """PROMPTS' requests under GRAMMAR after a free thought (a bias opens it, others end it sooner or later), PLAIN's."""
+    grammar = after_reasoning(GRAMMAR, THINK, THINK_END, opened)
+    return [SamplingParams(max_tokens=48, structured_outputs=grammar, logit_bias={THINK: 30.0, THINK_END: bias}, **how)
+            for bias in (6.0, 7.0, 8.0)] + [SamplingParams(max_tokens=12, ignore_eos=True, **how)]
+
+
+THINKING = thinking_params(False)[:2] + thinking_params(True, temperature=1.0, seed=5)[2:3]  # PROMPTS', for mixes
+
+
+def test_the_thought_mask_is_the_grammars_at_every_position_of_the_thought(engines):
+    """A thought's mask is the grammar's at each of its positions (random allowed tokens in between), None before a
+    model-opened thought and after ``</think>``; a reply that opens with other text has no thought."""
+    llm, rng = engines["ar"], random.Random(3)
+    grammars, V = llm.engine.grammars, llm.config.vocab_size
+    for opened in (False, True):
+        state = grammars.start(after_reasoning(GRAMMAR, THINK, THINK_END, opened))
+        if not opened:
+            assert state.thought_mask(V) is None
+            state.accept(THINK)
+        mask = state.thought_mask(V)
+        inside = [t for t in range(V) if mask[t // 32] >> (t % 32) & 1 and t != THINK_END]
+        assert THINK not in inside and not set(llm.engine.eos_token_ids) & set(inside) and len(inside) > V // 2
+        for _ in range(40):
+            state.accept(rng.choice(inside))
+            assert torch.equal(next_token_masks([state], V)[0], mask) and state.thought_mask(V) is mask
+        state.accept(THINK_END)
+        assert state.thought_mask(V) is None and state.thought is None
+    state = grammars.start(after_reasoning(GRAMMAR, THINK, THINK_END, False))
+    state.accept(llm.tokenizer.encode("{")[0])
+    assert state.thought is None and state.thought_mask(V) is None
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["model-opened", "prompt-opened"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_free_thought_steps_unmasked_and_emits_what_its_masks_would(engines, opened, sampled, monkeypatch):
+    """A grammar after a free thought: inside the thought the sequence steps as a plain one (graphed on a GPU, its
+    thought's mask sent once), its step accepting nothing after ``</think>``, then with masks made each step again.
+    AR, chain and DDTree (an oracle's drafts: ``</think>`` accepted mid-path, the tokens after it dropped) emit what
+    masking every step emits, with the same log-probabilities."""
+    how = dict(temperature=1.0, seed=7) if sampled else {}
+    params = [dataclasses.replace(p, logprobs=2) for p in thinking_params(opened, **how)]
+    with monkeypatch.context() as m:
+        m.setattr(GrammarState, "thought_mask", lambda self, vocab: None)
+        masked_outs = generate(engines["ar"], params)
+    assert all(THINK_END in c.token_ids for c in masked_outs[:-1]) and any(c.finish_reason == "stop"
+                                                                           for c in masked_outs[:-1])
+    assert max(c.token_ids.index(THINK_END) for c in masked_outs[:-1]) > 8  # a thought of several steps
+    for spec, drafts in [("ar", None), ("chain", "oracle"), ("ddtree", "oracle")] + (
+            [] if sampled else [("ddtree", "random")]):
+        llm = engines[spec]
+        if drafts == "oracle":
+            oracle(llm, {tuple(p): p + c.token_ids for p, c in zip(PROMPTS + [PLAIN], masked_outs)})
+        steps = []
+        launch = llm.engine.runner.launch
+        monkeypatch.setattr(llm.engine.runner, "launch", lambda prefill, step: (steps.append(step), launch(prefill,
+                                                                                                          step))[1])
+        outs = generate(llm, params)
+        monkeypatch.undo()
+        llm.engine.runner.__dict__.pop("draft", None)
+        for c, want in zip(outs, masked_outs):
+            assert c.token_ids == want.token_ids, (spec, drafts)
+            assert chosen_logprobs(c) == pytest.approx(chosen_logprobs(want), abs=1e-4), (spec, drafts)
+        steps = [s for s in steps if s is not None]
+        began = [slot for s in steps for slot, (end, _) in s.thoughts.items() if end == THINK_END]
+        ended = [slot for s in steps for slot, (end, _) in s.thoughts.items() if end == -1]
+        assert len(began) == len(ended) == 3, (spec, drafts)  # each thought stepped unmasked, then masked again
+        unmasked = [s for s in steps if s.grammars is None and any(end >= 0 for end, _ in s.thoughts.values())]
+        assert unmasked, (spec, drafts)
+
+
+@pytest.mark.parametrize("spec,pages", [({"spec": "ar"}, 10),
+                                        ({"drafter": "random", "spec": "chain", "block_size": 4}, 10)],
                          ids=["ar", "chain"])
 def test_grammar_requests_under_preemption_end_as_with_room(random_k2, spec, pages):
-    """Grammar requests (greedy and seeded) and a seeded plain one in a pool too small for all of them: preempted and
-    prefilled again, each ends as with room, and every page comes back. (A grammar step's result is applied before
-    the next launch, so a sequence preempted there had nothing in flight and was released at once: later in the same
-    batch, it stepped from the waiting queue, its tokens applied to it, its pages lost at its next admission.)"""
-    prompts = [p * 8 for p in PROMPTS + [PLAIN]]
+    """Grammar requests (greedy and seeded), a seeded plain one and grammars after free thoughts in a pool too small for
+    all of them: preempted (a thought among them, which its slot holds again after its prefill) and prefilled again,
+    each ends as with room, and every page comes back. (A grammar step's result is applied before the next launch, so
+    a sequence preempted there had nothing in flight and was released at once: later in the same batch, it stepped
+    from the waiting queue, its tokens applied to it, its pages lost at its next admission.)"""
+    prompts = [p * 8 for p in PROMPTS + [PLAIN] + PROMPTS]
 
     def run(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=MIXED)]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=MIXED + THINKING)
+        return [o.outputs[0].token_ids for o in outs]
 
     tight = LLM(model=random_k2, num_pages=pages, max_num_seqs=4, prefix_caching=False, **spec)
     assert run(tight) == run(LLM(model=random_k2, **spec))
@@ -285,13 +364,15 @@ def test_grammars_that_do_not_compile_or_name_nothing_are_400s(serving, fields, 
 @pytest.mark.gpu
 def test_grammar_steps_on_the_gpu_equal_the_cpu_reference(random_k2):
     """fp32 on the GPU with CUDA graphs: DDTree's grammar batches (stepped eagerly, their masks uploaded between the
-    halves) and the plain request beside them emit the CPU AR's tokens."""
+    halves), the plain request beside them and grammars after free thoughts (the thoughts stepped from graphs) emit
+    the CPU AR's tokens."""
     pytest.importorskip("xgrammar", reason="kdray's grammar backend (a dependency) is not in this GPU image")
     params = [SamplingParams(max_tokens=48, structured_outputs=GRAMMAR)] * len(PROMPTS) + [
-        SamplingParams(max_tokens=12, ignore_eos=True)]
-    cpu = LLM(model=random_k2, device="cpu", spec="ar").generate(prompt_token_ids=PROMPTS + [PLAIN],
-                                                                   sampling_params=params)
+        SamplingParams(max_tokens=12, ignore_eos=True)] + THINKING
+    prompts = PROMPTS + [PLAIN] + PROMPTS
+    cpu = LLM(model=random_k2, device="cpu", spec="ar").generate(prompt_token_ids=prompts, sampling_params=params)
     gpu = LLM(model=random_k2, device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
               block_size=8, cuda_graphs=True)
-    outs = gpu.generate(prompt_token_ids=PROMPTS + [PLAIN], sampling_params=params)
+    outs = gpu.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cpu]
+    assert any("thought" in dict(options)["extras"] for options, _ in gpu.engine.runner._step_graphs._captures)

@@ -1,4 +1,5 @@
-"""tree_accept: the reference on built trees; the CUDA kernel against the reference."""
+"""tree_accept: the reference on built trees, with and without stop tokens; the CUDA kernel against the
+reference."""
 import pytest
 import torch
 
@@ -65,6 +66,24 @@ def test_slots_beyond_num_nodes_are_ignored():
     assert accepted.tolist() == [[0, 1, 2]] and accept_len.tolist() == [3] and next_token.tolist() == [4]
 
 
+def test_a_stop_token_ends_the_walk_as_the_bonus():
+    """A sequence's walk stops where the target chooses its stop token, wherever on the path (the root's choice
+    included): the token is the bonus and no node after it is accepted; other sequences (stop -1) walk on."""
+    B, L, V, N = 4, 6, 30, 40
+    tree = _tree(B, L, V, [N] * B, N, seed=5)
+    deepest = tree.depths.argmax(1)  # [B]: a node of the longest path
+    choices = torch.randint(V, (B, N + 1), generator=torch.Generator().manual_seed(6))
+    paths = [_steer(tree, b, int(deepest[b]), choices) for b in range(B)]
+    assert min(len(p) for p in paths) >= 4
+    stop = torch.tensor([int(tree.tokens[0, paths[0][2]]), int(choices[1, 0]), int(tree.tokens[2, paths[2][-1]]), -1])
+    accepted, accept_len, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes, choices, L, stop)
+    assert accept_len.tolist() == [2, 1, len(paths[2]) - 1, len(paths[3])]
+    assert next_token.tolist() == stop[:3].tolist() + [int(choices[3, paths[3][-1]])]
+    assert accepted[0].tolist() == paths[0][:2] + [-1] * (L - 1)
+    with pytest.raises(ValueError, match="stop must be int64"):
+        tree_accept(tree.tokens, tree.parents, tree.num_nodes, choices, L, stop.int())
+
+
 def test_bad_inputs_raise():
     t = torch.zeros(2, 5, dtype=torch.int64)
     p = torch.zeros(2, 5, dtype=torch.int32)
@@ -88,8 +107,12 @@ def test_cuda_matches_reference(B, L, V, N, max_depth):
     choices = torch.randint(V, (B, N + 1), generator=gen)
     for b in range(0, B, 2):  # half the sequences walk to a random node, the rest follow random choices
         _steer(tree, b, int(torch.randint(int(tree.num_nodes[b]), (1,), generator=gen)), choices)
-    want = tree_accept(tree.tokens, tree.parents, tree.num_nodes, choices, max_depth)
-    poison_cuda_cache()
-    got = tree_accept(tree.tokens.cuda(), tree.parents.cuda(), tree.num_nodes.cuda(), choices.cuda(), max_depth)
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+    # every third sequence stops at the token its path's second node carries (or the root's choice), some at none
+    stop = torch.where(torch.arange(B) % 3 == 0, choices.gather(1, tree.parents[:, 2:3].long().clamp(min=0))[:, 0], -1)
+    for s in (None, stop):
+        want = tree_accept(tree.tokens, tree.parents, tree.num_nodes, choices, max_depth, s)
+        poison_cuda_cache()
+        got = tree_accept(tree.tokens.cuda(), tree.parents.cuda(), tree.num_nodes.cuda(), choices.cuda(), max_depth,
+                          None if s is None else s.cuda())
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)

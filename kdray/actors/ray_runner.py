@@ -342,7 +342,9 @@ class RayRunner:
         """:meth:`step`, with ``prefill``'s lone chunk riding in it (padded to ``rows``) -> (the chunk's result or
         None, the step's), both read from the one plan's replies."""
         drafter = ("drafter",) if self.args.drafter is not None else ()
-        plan = {"op": "step", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages}
+        plan = {"op": "step", "slots": batch.slots, "nodes": batch.nodes, "pages": batch.pages,
+                "thoughts": {slot: (end, None if mask is None else int32_bytes(mask))
+                             for slot, (end, mask) in batch.thoughts.items()}}
         if prefill is not None:
             plan.update(chunk=prefill_plan(prefill), rows=rows)
         masks: dict[str, float] = {}  # a grammar step's: the engine's time making its masks

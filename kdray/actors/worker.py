@@ -7,9 +7,10 @@ A step plan (msgpack) is ``{"op", ...}``:
   ``starts``, ``pages``, ``sampling`` = each request's ``SamplingParams`` fields as a dict (its grammar left with
   the engine), ``seeds``, ``last``, ``roots``, ``prompt_lens``, ``bans``, ``histories``, ``scored``, ``allowed``: the
   first tokens' masks as bytes, or None);
-- ``step``: the ``slots``, ``nodes`` and grown ``pages`` of a :class:`~kdray.engine.step.StepBatch` (each actor
-  keeps every slot's state), and where a lone prompt chunk rides in its verify pass, that chunk's ``prefill`` plan as
-  ``chunk`` and its padded ``rows``; ``grammars``: the sequences with a grammar, if any. Then the drafter sends its
+- ``step``: the ``slots``, ``nodes``, grown ``pages`` and changed ``thoughts`` (their masks as bytes) of a
+  :class:`~kdray.engine.step.StepBatch` (each actor keeps every slot's state), and where a lone prompt chunk rides in
+  its verify pass, that chunk's ``prefill`` plan as ``chunk`` and its padded ``rows``; ``grammars``: the sequences
+  masked by a grammar, if any. Then the drafter sends its
   trees to the engine (``{"trees"}``, the packed rows of the batch's sequences) before its broadcast, and shard 0
   reads one more frame before it verifies, ``allowed`` (``masks``: those sequences' tree nodes' masks, made by the
   engine from the trees, or without a drafter from the roots alone), and broadcasts the masks to the other shards;
@@ -163,8 +164,11 @@ class Worker(ABC):
             return self.prefill(prefill_batch(plan))
         if op == "step":
             chunk = prefill_batch(plan["chunk"]) if plan.get("chunk") else None
-            return self.step(StepBatch(plan["slots"], plan["nodes"], {int(k): v for k, v in plan["pages"].items()}),
-                             chunk, plan.get("rows", 0), plan.get("grammars"))
+            thoughts = {int(k): (end, None if mask is None else int32_rows(mask, 1)[0])
+                        for k, (end, mask) in plan["thoughts"].items()}
+            batch = StepBatch(plan["slots"], plan["nodes"], {int(k): v for k, v in plan["pages"].items()},
+                              thoughts=thoughts)
+            return self.step(batch, chunk, plan.get("rows", 0), plan.get("grammars"))
         if op == "noop":
             return {"tokens": [[7] * plan["tau"] for _ in plan["slots"]], "seconds": {}} if self.reports_tokens \
                 else None

@@ -40,7 +40,7 @@ class _Launch:
     prefill: bool
     nodes: int = 0
     at: float = 0.0  # perf_counter when launched
-    grammar: bool = False  # a sequence has a grammar
+    grammar: bool = False  # a sequence has a grammar (the next launch follows its tokens: it waits for them)
     last: list[bool] | None = None  # prefill: which chunks end their context
     starts: list[int] | None = None  # prefill: where each chunk starts
 
@@ -197,14 +197,19 @@ class Engine:
                 scored=[s.prompt_ids[a + 1:b + 1] if s.scores_prompt else [] for s, a, b in chunks])
             now = time.perf_counter()
             for seq, _, end in chunks:
-                seq.prefilled, seq.pages_sent = end, len(seq.pages)
+                seq.prefilled, seq.pages_sent, seq.thought_sent = end, len(seq.pages), False
                 seq.scheduled_at = seq.scheduled_at or now
         if batch:
-            grown = {}  # slot -> its pages, where they grew since last sent
+            grown, thoughts = {}, {}  # slot -> its pages, where they grew since last sent; its thought, where changed
             for seq in batch:
                 if len(seq.pages) != seq.pages_sent:
                     grown[seq.slot], seq.pages_sent = list(seq.pages), len(seq.pages)
-            step = StepBatch([s.slot for s in batch], nodes, grown, _grammars(batch))
+                mask = seq.grammar.thought_mask(self.vocab_size) if seq.grammar is not None else None
+                if (mask is not None) != seq.thought_sent:
+                    thoughts[seq.slot] = (seq.grammar.thought.end, mask) if mask is not None else (-1, None)
+                    seq.thought_sent = mask is not None
+            step = StepBatch([s.slot for s in batch], nodes, grown,
+                             _grammars([None if s.thought_sent else s.grammar for s in batch]), thoughts)
         prefilled, stepped = self.runner.launch(prefill, step)
         launches = []
         if prefill is not None:
@@ -212,7 +217,7 @@ class Engine:
                                     grammar=prefill.allowed is not None))
         if step is not None:
             launches.append(_Launch(batch, stepped, prefill=False, nodes=nodes, at=time.perf_counter(),
-                                    grammar=step.grammars is not None))
+                                    grammar=any(s.grammar is not None for s in batch)))
         for launch in launches:
             for i, seq in enumerate(launch.seqs):
                 seq.inflight += 1
@@ -392,13 +397,12 @@ def _emits(launch: _Launch, i: int, seq: Sequence) -> int:
 
 def _first_masks(seqs: list[Sequence], vocab: int):
     """The tokens each sequence's first token may be ``[B, ceil(vocab/32)]``, or None when none has a grammar."""
-    grammars = _grammars(seqs)
+    grammars = _grammars([s.grammar for s in seqs])
     return None if grammars is None else next_token_masks(grammars, vocab)
 
 
-def _grammars(seqs: list[Sequence]) -> list[GrammarState | None] | None:
-    """The sequences' grammars for a batch, or None when none has one (the batch runs as it would without them)."""
-    grammars = [s.grammar for s in seqs]
+def _grammars(grammars: list[GrammarState | None]) -> list[GrammarState | None] | None:
+    """A batch's grammars to mask by, or None when there are none (the batch runs as it would without them)."""
     return grammars if any(g is not None for g in grammars) else None
 
 

@@ -146,6 +146,8 @@ class SlotState:
         self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)  # [n, MAX_LOGIT_BIAS]
         self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
         self.ban_ids = torch.full((n, MAX_BAN), -1, dtype=torch.int64, device=device)  # [n, MAX_BAN]
+        self.thought_end = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]: a running thought's end marker
+        self.thought_mask: torch.Tensor | None = None  # [n, ceil(V/32)] int32: the tokens its grammar allows there
         self.vocab = vocab
         self.counts: torch.Tensor | None = None  # [n, V] fp32: the output's token counts (bonus included)
         self.prompt_seen: torch.Tensor | None = None  # [n, V] bool: the prompt's tokens
@@ -180,7 +182,8 @@ class SlotState:
                               (self.bias_ids, [_padded(list(p.logit_bias or {}), MAX_LOGIT_BIAS, 0) for p in ps]),
                               (self.bias_values, [_padded(list((p.logit_bias or {}).values()), MAX_LOGIT_BIAS, 0.0)
                                                   for p in ps]),
-                              (self.ban_ids, [_padded(b, MAX_BAN, -1) for b in batch.bans])):
+                              (self.ban_ids, [_padded(b, MAX_BAN, -1) for b in batch.bans]),
+                              (self.thought_end, [-1] * len(ps))):  # a thought is set (again) by a step
             put(state, values)
         if self.vocab is None or not any("penalties" in f for f in features):
             return
@@ -208,6 +211,24 @@ class SlotState:
                 raise ValueError(f"{len(row)} KV pages for one sequence exceed the block-table width {width}")
             rows[i, :len(row)] = row
         self.block_table[device_array(list(pages), dev)] = device_array(rows, dev, np.int32)
+
+    def set_thoughts(self, thoughts: dict[int, tuple[int, torch.Tensor | None]]):
+        """Thoughts begun or ended ``{slot: (end marker, the tokens allowed inside [ceil(V/32)] int32), or (-1, None)
+        where one ended}``: a slot whose thought runs steps with those tokens alone allowed (the mask its grammar would
+        make at every position there), accepting nothing after its end marker."""
+        if not thoughts:
+            return
+        dev = self.block_table.device
+        if self.thought_mask is None:  # the first thought
+            self.thought_mask = torch.full((self.block_table.shape[0], (self.vocab + 31) // 32), -1, dtype=torch.int32,
+                                           device=dev)  # [n, ceil(V/32)]
+        for slot, (end, allowed) in thoughts.items():
+            self.thought_end[slot] = end
+            if allowed is not None:
+                self.thought_mask[slot] = allowed.to(dev)
+            self.special -= not self.greedy[slot] or bool(self.features[slot])
+            self.features[slot] = self.features[slot] - {"thought"} | ({"thought"} if end >= 0 else set())
+            self.special += not self.greedy[slot] or bool(self.features[slot])
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, ends: torch.Tensor, done: torch.Tensor):
         """After a prefill: each slot of ``idx [B]`` whose chunk ends its context (``done [B]``) has its first
@@ -502,6 +523,7 @@ class ModelRunner:
         """:meth:`step`, with ``prefill``'s lone chunk (padded to ``rows``) riding in the verify pass: its first token
         chosen after the pass -> (the chunk's result or None, the step's)."""
         self.slots.set_pages(batch.pages)
+        self.slots.set_thoughts(batch.thoughts)
         start = self._mark()
         chunk = self._riding_chunk(prefill, rows) if prefill is not None else None
         idx, options = self.slot_index(batch.slots), dict(greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
@@ -564,6 +586,7 @@ class ModelRunner:
         (:func:`riding_rows`). ``allowed``: the grammars' masks of the tree nodes ``[Bp * (1+N), ceil(V/32)]`` (then
         the step runs eagerly)."""
         self.slots.set_pages(batch.pages)
+        self.slots.set_thoughts(batch.thoughts)
         chunk = self._riding_chunk(prefill, rows) if prefill is not None else None
         options = dict(greedy=self.slots.all_greedy(batch.slots), nodes=batch.nodes,
                        extras=self.slots.extras(batch.slots))
@@ -709,7 +732,8 @@ class ModelRunner:
                         chunk_features=None if features is None else features[n:])
 
     def accept(self, verified: Verified, tree: DraftTree, inputs: StepInputs) -> Accepted:
-        """The target's choice at every node (argmax, or its exact sample), then the longest path it agrees with."""
+        """The target's choice at every node (argmax, or its exact sample), then the longest path it agrees with (up
+        to a running thought's end marker, which its grammar's masks must follow)."""
         B, width = tree.tokens.shape
         params = inputs.params
         rows = RowParams(*(t.repeat_interleave(width) for t in (params.temperature, params.top_k, params.top_p,
@@ -722,10 +746,15 @@ class ModelRunner:
             logits = apply_transforms(logits, changes)
         if inputs.allowed is not None:
             logits = masked(logits, inputs.allowed)
+        if "thought" in inputs.extras:  # the rows of slots whose thought runs: its mask (the others allow every token)
+            slots = inputs.slots.repeat_interleave(width)  # [B * (1+N)]
+            thinking = (self.slots.thought_end[slots] >= 0)[:, None]  # [B * (1+N), 1]
+            logits = masked(logits, torch.where(thinking, self.slots.thought_mask[slots], -1))
         choice = choose_tokens(logits, verified.positions, rows).view(B, width)  # [B, 1+N]
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
+        stop = self.slots.thought_end[inputs.slots] if "thought" in inputs.extras else None  # [B]
         nodes, length, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes,
-                                                torch.where(valid, choice, -1), self.spec.depth)
+                                                torch.where(valid, choice, -1), self.spec.depth, stop)
         return Accepted(nodes, length, next_token)
 
     def commit(self, accepted: Accepted, tree: DraftTree, verified: Verified, inputs: StepInputs) -> Committed:

@@ -35,6 +35,7 @@ class Sequence:
     registered: int = 0  # pages put in the prefix cache
     cached_prompt: int | None = None  # prompt tokens found in the prefix cache at its first admission
     pages_sent: int = 0  # pages the runner's block-table row holds
+    thought_sent: bool = False  # the runner's slot holds its grammar's running thought (no masks made on the host)
     preempted: bool = False  # to give its pages back once nothing in flight writes them, then wait again
     inflight: int = 0  # launched prefills and steps of this request whose results are not applied yet
     owed: int = 0  # of those, the ones that emit a token each: steps, and a new request's last prefill chunk

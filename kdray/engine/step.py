@@ -63,12 +63,16 @@ class StepBatch:
     decoding). Each slot's bonus token (the tree's root) and cached length live on the device, advanced by every
     step, so the host never has to know them to launch. With ``grammars`` the step runs eagerly, its trees on the
     engine's host between draft and verify for their masks (on Ray the drafter sends them there, and the masks go to
-    the shards)."""
+    the shards). A grammar's free thought has one mask, sent once (``thoughts``): its sequence steps as a plain one
+    there, until its end marker."""
 
     slots: list[int]
     nodes: int
     pages: dict[int, list[int]] = field(default_factory=dict)  # slot -> its pages, where they grew since last sent
-    grammars: list[GrammarState | None] | None = None  # per sequence its grammar, when any has one
+    grammars: list[GrammarState | None] | None = None  # per sequence the grammar it is masked by, when any is
+    # slot -> (its thought's end marker, the mask inside [ceil(V/32)] int32 on the host), where a thought began since
+    # last sent; (-1, None) where one ended
+    thoughts: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass

@@ -8,7 +8,10 @@ depth-first from the committed state (consume a node's token, fill the mask of w
 node's mask is the one plain decoding applies after that node's path and chain and DDTree stay lossless; a prompt's
 first token takes :func:`next_token_masks`. The masks are made on the engine's host (its matchers are the only
 ones), as one bitmask ``[R, ceil(V/32)]`` int32 that goes to the device (on Ray, to every shard); :func:`masked` sets
-the logits they exclude to -inf.
+the logits they exclude to -inf. Inside the free thought that :func:`after_reasoning` puts before a grammar, the mask
+is the same at every position until the thought's end marker: the engine sends it to the runner's slot once, and the
+request steps as a plain one there (graphed, nothing made on the host), its step accepting nothing after the end
+marker, which becomes its bonus token (:meth:`GrammarState.thought_mask`).
 
 The matcher reads each token id's bytes (:func:`token_bytes`): a special token is the byte 0xFF (never in UTF-8
 text) and its name, so no text matches it and a grammar names it by its id; ids past the tokenizer's vocabulary
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -115,11 +119,30 @@ class Grammars:
         """A matcher of ``params``' grammar at the output's start."""
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+        thought = params.thought if isinstance(params, AfterThought) else None
+        return GrammarState(xgr.GrammarMatcher(self.compile(params)), thought)
+
+
+@dataclass(frozen=True)
+class Thought:
+    """The free thought a grammar opens with: its markers' ids, and whether the prompt opened it."""
+
+    think: int
+    end: int
+    opened: bool
+
+
+@dataclass
+class AfterThought(StructuredOutputsParams):
+    """A grammar after a free thought, as :func:`after_reasoning` makes it: a structural tag, and the thought's
+    markers, by which the engine steps the thought as a plain request under its one mask
+    (:meth:`GrammarState.thought_mask`)."""
+
+    thought: Thought | None = None
 
 
 def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int, opened: bool,
-                    held: tuple[int, ...] = ()) -> StructuredOutputsParams:
+                    held: tuple[int, ...] = ()) -> AfterThought:
     """``params``' grammar (one that compiles) after a thought: an optional ``think ... think_end`` (``opened``: the
     prompt opened it, so its rest and ``think_end``, required), any tokens inside but the two markers and ``held``
     (tokens that would end the thought without its marker: they wait for the grammar), as one structural tag."""
@@ -140,7 +163,7 @@ def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int,
         prefix = {"type": "optional", "content": {"type": "sequence",
                                                   "elements": [{"type": "token", "token": think}, *thought]}}
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [prefix, answer]}}
-    return StructuredOutputsParams(structural_tag=json.dumps(tag))
+    return AfterThought(structural_tag=json.dumps(tag), thought=Thought(think, think_end, opened))
 
 
 def _json_schema(params: StructuredOutputsParams) -> tuple[str, dict]:
@@ -162,20 +185,38 @@ def json_object_grammar() -> str:
 
 
 class GrammarState:
-    """One request's matcher, advanced by the engine on each committed token."""
+    """One request's matcher, advanced by the engine on each committed token, and where its grammar opens with a free
+    thought (:class:`Thought`), whether the output is inside it."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, thought: Thought | None = None):
         self.matcher = matcher
+        self.thought = thought  # None once the output is past the thought, or has none
+        self.thinking = thought is not None and thought.opened
+        self._mask: torch.Tensor | None = None  # inside the thought: its mask
 
     def accept(self, token: int):
         """Consume a committed token (the masks allowed only tokens it accepts)."""
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"token {token} was committed against its grammar's mask; this is a bug in kdray")
+        if self.thought is not None:
+            opens = not self.thinking and token == self.thought.think  # (the first token: it is None after it)
+            self.thinking = opens or self.thinking and token != self.thought.end
+            if not self.thinking:
+                self.thought = None
 
     @property
     def ended(self) -> bool:
         """The grammar accepted its end (an EOS after a complete output)."""
         return self.matcher.is_terminated()
+
+    def thought_mask(self, vocab: int) -> torch.Tensor | None:
+        """Inside the free thought: the tokens the grammar allows there ``[ceil(vocab/32)]`` int32 on the host, the
+        same at every position until the thought's end marker (which it allows); None elsewhere."""
+        if not self.thinking:
+            return None
+        if self._mask is None:
+            self._mask = next_token_masks([self], vocab)[0]
+        return self._mask
 
 
 def tree_masks(states: list[GrammarState | None], tree: DraftTree, vocab: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 // tree_accept: walk each sequence's verified draft tree with the target's per-node choices.
 // Launch: grid (B,), block (BLOCK,). One block per sequence; each step the block scans the
-// sequence's nodes for the child of `cur` that carries the chosen token (at most one matches).
+// sequence's nodes for the child of `cur` that carries the chosen token (at most one matches). A chosen token equal
+// to the sequence's stop token (stop may be null; -1: none) ends the walk as the bonus.
 
 #include "griddep.cuh"
 
@@ -8,6 +9,7 @@ extern "C" __global__ void tree_accept(const long long* __restrict__ tokens,  //
                                        const int* __restrict__ parents,       // [B, n1]
                                        const int* __restrict__ num_nodes,     // [B]
                                        const long long* __restrict__ choices, // [B, n1]
+                                       const long long* __restrict__ stop,    // [B] or null
                                        int* __restrict__ accepted,            // [B, max_depth + 1]
                                        int* __restrict__ accept_len,          // [B]
                                        long long* __restrict__ next_token,    // [B]
@@ -21,6 +23,7 @@ extern "C" __global__ void tree_accept(const long long* __restrict__ tokens,  //
   int* acc = accepted + (long long)b * (max_depth + 1);
   const int n = min(max(num_nodes[b], 1), n1);
 
+  const long long s = stop != nullptr ? stop[b] : -1;
   int cur = 0, len = 1;
   long long t = cho[0];
   if (threadIdx.x == 0) {
@@ -28,7 +31,7 @@ extern "C" __global__ void tree_accept(const long long* __restrict__ tokens,  //
     acc[0] = 0;
   }
   __syncthreads();
-  for (int step = 0; len <= max_depth; ++step) {
+  for (int step = 0; len <= max_depth && (s < 0 || t != s); ++step) {
     int* slot = &found[step & 1];
     for (int c = 1 + threadIdx.x; c < n; c += blockDim.x)
       if (par[c] == cur && tok[c] == t) *slot = c;
