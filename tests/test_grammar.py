@@ -158,7 +158,7 @@ THINK, THINK_END = token_ids()["<think>"], token_ids()["</think>"]
 
 
 def thinking_params(opened: bool, **how) -> list[SamplingParams]:
-    """PROMPTS' requests under GRAMMAR after a free thought (a bias opens it, others end it sooner or later), PLAIN's."""
+    """PROMPTS' requests under GRAMMAR after a free thought (a bias opens it, others end it soon or late), PLAIN's."""
     grammar = after_reasoning(GRAMMAR, THINK, THINK_END, opened)
     return [SamplingParams(max_tokens=48, structured_outputs=grammar, logit_bias={THINK: 30.0, THINK_END: bias}, **how)
             for bias in (6.0, 7.0, 8.0)] + [SamplingParams(max_tokens=12, ignore_eos=True, **how)]
