@@ -112,6 +112,25 @@ def test_each_nodes_mask_is_the_matchers_after_its_path(engines):
         assert sum(fresh(p) is not None for p in paths) > n // 2  # deep valid paths were walked
 
 
+def test_a_length_bounded_string_takes_json_characters_alone(engines):
+    """A string with minLength / maxLength (which xgrammar 0.2 writes as a repeated character that lets raw control
+    characters in, mlc-ai/xgrammar#800, invalid JSON): none is taken; the bounds hold. The same after a free thought.
+    Bytes are fed as the tokenizer's one-byte tokens."""
+    llm = engines["ar"]
+    eos = next(iter(llm.engine.eos_token_ids))
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4}},
+              "required": ["s"], "additionalProperties": False}
+    cases = {b'{"s": "ab"}': True, b'{"s": "a\tb"}': False, b'{"s": "a\x02"}': False, b'{"s": "a\x1f"}': False,
+             b'{"s": "abcd"}': True, b'{"s": "abcde"}': False, b'{"s": "a"}': False}
+    for grammar, prefix in [(StructuredOutputsParams(json=schema), []),
+                            (after_reasoning(StructuredOutputsParams(json=schema), THINK, THINK_END, False),
+                             [THINK, 300, THINK_END])]:
+        for text, valid in cases.items():
+            state = llm.engine.grammars.start(grammar)
+            taken = all(state.matcher.accept_token(t) for t in [*prefix, *text, eos])
+            assert taken == valid, (text, prefix)
+
+
 def test_masked_sets_the_excluded_logits_to_minus_infinity():
     g = torch.Generator().manual_seed(2)
     logits, bits = torch.randn(3, 70, generator=g), torch.randint(-2**31, 2**31 - 1, (3, 3), generator=g).int()

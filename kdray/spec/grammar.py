@@ -32,6 +32,11 @@ from kdray.spec.structured_outputs import StructuredOutputsParams
 
 SPECIAL_LEAD = b"\xff"  # before a special token's name: no UTF-8 text holds this byte
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")  # "[time] file.cc:12: "
+# xgrammar 0.2 writes a string with minLength or maxLength as a bounded repetition of this one rule, which lets raw
+# control characters in (invalid JSON: a tab, a \x02; mlc-ai/xgrammar#800); kdray leaves them out. (The rule has no
+# escapes either; with them as alternatives a mask took ~20 ms at K2's vocabulary instead of ~0.1.)
+_BOUNDED_CHAR = re.compile(r'^(\S+ ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHAR = r'(([^\0-\x1f\"\\]))'
 
 
 def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
@@ -107,8 +112,7 @@ class Grammars:
             return compiler.compile_grammar(json_object_grammar())
         try:
             if params.json is not None:
-                schema, options = _json_schema(params)
-                return compiler.compile_json_schema(schema, **options)
+                return compiler.compile_grammar(json_schema_grammar(params))
             return compiler.compile_structural_tag(params.structural_tag)
         except (RuntimeError, ValueError) as e:  # xgrammar's errors carry a source location first
             what = {"json": "JSON schema", "structural_tag": "structural tag"}
@@ -149,8 +153,7 @@ def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int,
     import xgrammar as xgr
 
     if params.json is not None:
-        schema, options = _json_schema(params)
-        answer = {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(schema, **options))}
+        answer = {"type": "grammar", "grammar": json_schema_grammar(params)}
     elif params.json_object:
         answer = {"type": "grammar", "grammar": json_object_grammar()}
     else:
@@ -166,11 +169,16 @@ def after_reasoning(params: StructuredOutputsParams, think: int, think_end: int,
     return AfterThought(structural_tag=json.dumps(tag), thought=Thought(think, think_end, opened))
 
 
-def _json_schema(params: StructuredOutputsParams) -> tuple[str, dict]:
-    """A ``json`` grammar's schema text and the xgrammar options kdray compiles it with: one line (", " and ": "),
-    strict where ``disable_additional_properties`` asks."""
+def json_schema_grammar(params: StructuredOutputsParams) -> str:
+    """A ``json`` grammar as xgrammar EBNF: xgrammar's conversion of the schema, with kdray's options (one line, ", "
+    and ": "; strict where ``disable_additional_properties`` asks), no raw control character in a length-bounded
+    string (:data:`_BOUNDED_CHAR`)."""
+    import xgrammar as xgr
+
     schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-    return schema, {"any_whitespace": False, "strict_mode": params.disable_additional_properties}
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                            strict_mode=params.disable_additional_properties))
+    return _BOUNDED_CHAR.sub(lambda m: m.group(1) + _JSON_CHAR, text)
 
 
 def json_object_grammar() -> str:
