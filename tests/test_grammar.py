@@ -386,12 +386,15 @@ def test_grammar_steps_on_the_gpu_equal_the_cpu_reference(random_k2):
     halves), the plain request beside them and grammars after free thoughts (the thoughts stepped from graphs) emit
     the CPU AR's tokens."""
     pytest.importorskip("xgrammar", reason="kdray's grammar backend (a dependency) is not in this GPU image")
-    params = [SamplingParams(max_tokens=48, structured_outputs=GRAMMAR)] * len(PROMPTS) + [
-        SamplingParams(max_tokens=12, ignore_eos=True)] + THINKING
-    prompts = PROMPTS + [PLAIN] + PROMPTS
-    cpu = LLM(model=random_k2, device="cpu", spec="ar").generate(prompt_token_ids=prompts, sampling_params=params)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    grammars = [SamplingParams(max_tokens=48, structured_outputs=GRAMMAR)] * len(PROMPTS)
+    # (apart: a grammar request beside a thought makes the batch eager)
+    batches = [(PROMPTS + [PLAIN], grammars + [plain]), (PROMPTS + [PLAIN], THINKING + [plain])]
+    cpu = LLM(model=random_k2, device="cpu", spec="ar")
     gpu = LLM(model=random_k2, device="cuda", dtype="float32", drafter="random", spec="ddtree", budget=16,
               block_size=8, cuda_graphs=True)
-    outs = gpu.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cpu]
+    for prompts, params in batches:
+        want = cpu.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = gpu.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
     assert any("thought" in dict(options)["extras"] for options, _ in gpu.engine.runner._step_graphs._captures)
