@@ -170,9 +170,7 @@ class SlotState:
         features = [p.features for p in ps]
         plain = not any(features) and not any(self.features[s] for s in batch.slots)
         for slot, p, f in zip(batch.slots, ps, features):
-            self.special -= not self.greedy[slot] or bool(self.features[slot])
-            self.greedy[slot], self.features[slot] = p.greedy, f
-            self.special += not p.greedy or bool(f)
+            self._set_kind(slot, p.greedy, f)
         if plain:
             return
         for state, values in ((self.prompt_lens, batch.prompt_lens), (self.min_tokens, [p.min_tokens for p in ps]),
@@ -226,9 +224,14 @@ class SlotState:
             self.thought_end[slot] = end
             if allowed is not None:
                 self.thought_mask[slot] = allowed.to(dev)
-            self.special -= not self.greedy[slot] or bool(self.features[slot])
-            self.features[slot] = self.features[slot] - {"thought"} | ({"thought"} if end >= 0 else set())
-            self.special += not self.greedy[slot] or bool(self.features[slot])
+            thought = frozenset({"thought"} if end >= 0 else ())
+            self._set_kind(slot, self.greedy[slot], self.features[slot] - {"thought"} | thought)
+
+    def _set_kind(self, slot: int, greedy: bool, features: frozenset[str]):
+        """The host copies of what a batch holding ``slot`` pays for, and the count of special slots with them."""
+        self.special -= not self.greedy[slot] or bool(self.features[slot])
+        self.greedy[slot], self.features[slot] = greedy, features
+        self.special += not greedy or bool(features)
 
     def start(self, idx: torch.Tensor, first: torch.Tensor, ends: torch.Tensor, done: torch.Tensor):
         """After a prefill: each slot of ``idx [B]`` whose chunk ends its context (``done [B]``) has its first
@@ -746,13 +749,14 @@ class ModelRunner:
             logits = apply_transforms(logits, changes)
         if inputs.allowed is not None:
             logits = masked(logits, inputs.allowed)
+        stop = None  # [B]: a running thought's end marker per sequence (-1: none), where the batch has thoughts
         if "thought" in inputs.extras:  # the rows of slots whose thought runs: its mask (the others allow every token)
-            slots = inputs.slots.repeat_interleave(width)  # [B * (1+N)]
-            thinking = (self.slots.thought_end[slots] >= 0)[:, None]  # [B * (1+N), 1]
-            logits = masked(logits, torch.where(thinking, self.slots.thought_mask[slots], -1))
+            stop = self.slots.thought_end[inputs.slots]
+            thinking = (stop >= 0).repeat_interleave(width)[:, None]  # [B * (1+N), 1]
+            masks = self.slots.thought_mask[inputs.slots.repeat_interleave(width)]  # [B * (1+N), ceil(V/32)]
+            logits = masked(logits, torch.where(thinking, masks, -1))
         choice = choose_tokens(logits, verified.positions, rows).view(B, width)  # [B, 1+N]
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
-        stop = self.slots.thought_end[inputs.slots] if "thought" in inputs.extras else None  # [B]
         nodes, length, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes,
                                                 torch.where(valid, choice, -1), self.spec.depth, stop)
         return Accepted(nodes, length, next_token)
