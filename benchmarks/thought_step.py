@@ -2,9 +2,9 @@
 
 A grammar after a free thought (``response_format`` on Kimi-K2-Thinking: :func:`~kdray.spec.grammar.after_reasoning`)
 used to mask every step of its batch on the host, through the whole thought: the batch's steps ran eagerly. Now the
-thought's one mask goes to the runner's slot once and the batch replays its CUDA graph (unpipelined while a grammar
-request is in it, since the thought's end switches its kind). This times both, against the same batch without the
-grammar request.
+thought's one mask goes to the runner's slot once and the batch replays its CUDA graph, pipelined (the host launches
+step k + 1 before it reads step k; a slot whose thought ends halts until the host has seen that end). This times
+both, against the same batch without the grammar request.
 
 Model: Kimi-K2's architecture at k2-tiny's dimensions with ``--layers`` layers (61, K2's count, by default: an eager
 step's host time grows with the layers' launches, not with their width), random weights, behind the K2-layout

@@ -213,7 +213,8 @@ def test_the_thought_mask_is_the_grammars_at_every_position_of_the_thought(engin
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_a_free_thought_steps_unmasked_and_emits_what_its_masks_would(engines, opened, sampled, monkeypatch):
     """A grammar after a free thought: inside the thought the sequence steps as a plain one (graphed on a GPU, its
-    thought's mask sent once), its step accepting nothing after ``</think>``, then with masks made each step again.
+    thought's mask sent once, its steps pipelined), its step accepting nothing after ``</think>`` and the one launched
+    before the host saw that end emitting nothing, then with masks made each step again.
     AR, chain and DDTree (an oracle's drafts: ``</think>`` accepted mid-path, the tokens after it dropped) emit what
     masking every step emits, with the same log-probabilities."""
     how = dict(temperature=1.0, seed=7) if sampled else {}
@@ -229,10 +230,16 @@ def test_a_free_thought_steps_unmasked_and_emits_what_its_masks_would(engines, o
         llm = engines[spec]
         if drafts == "oracle":
             oracle(llm, {tuple(p): p + c.token_ids for p, c in zip(PROMPTS + [PLAIN], masked_outs)})
-        steps = []
+        steps, results = [], []
         launch = llm.engine.runner.launch
-        monkeypatch.setattr(llm.engine.runner, "launch", lambda prefill, step: (steps.append(step), launch(prefill,
-                                                                                                          step))[1])
+
+        def recorded(prefill, step):
+            launched = launch(prefill, step)
+            steps.append(step)
+            results.append(launched[1])
+            return launched
+
+        monkeypatch.setattr(llm.engine.runner, "launch", recorded)
         outs = generate(llm, params)
         monkeypatch.undo()
         llm.engine.runner.__dict__.pop("draft", None)
@@ -245,6 +252,8 @@ def test_a_free_thought_steps_unmasked_and_emits_what_its_masks_would(engines, o
         assert len(began) == len(ended) == 3, (spec, drafts)  # each thought stepped unmasked, then masked again
         unmasked = [s for s in steps if s.grammars is None and any(end >= 0 for end, _ in s.thoughts.values())]
         assert unmasked, (spec, drafts)
+        # the first thought ends in a pipelined step: the step launched before the host saw it emitted nothing
+        assert [] in [t for r in results if r is not None for t in r.result().tokens], (spec, drafts)
 
 
 @pytest.mark.parametrize("spec,pages", [({"spec": "ar"}, 10),

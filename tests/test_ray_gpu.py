@@ -122,13 +122,15 @@ def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int
 @pytest.mark.parametrize("ray_gpus,tp", [(1, 1), (2, 2)], indirect=["ray_gpus"])
 def test_grammar_requests_on_gpus_equal_in_process_in_fp32(ray_gpus, tp, random_k2):
     """structured_outputs on GPU actors in fp32 (plain steps and free thoughts from CUDA graphs, grammar steps eager):
-    the masks reach shard 0 over the channel and the other shard over NCCL; token for token the in-process output."""
+    the masks reach shard 0 over the channel and the other shard over NCCL; token for token the in-process output.
+    Free thoughts also alone in their batch, where their steps pipeline (a slot halts at its thought's end)."""
     fp32 = {"device": "cuda", "dtype": "float32"}
-    prompts, params = GRAMMAR_PROMPTS + [PLAIN] + GRAMMAR_PROMPTS, MIXED + THINKING
+    batches = [(GRAMMAR_PROMPTS + [PLAIN] + GRAMMAR_PROMPTS, MIXED + THINKING),
+               (GRAMMAR_PROMPTS + [PLAIN], THINKING + MIXED[3:])]
     with LLM(model=random_k2, **SPEC, **fp32) as local:
-        reference = tokens(local.generate(prompt_token_ids=prompts, sampling_params=params))
+        reference = [tokens(local.generate(prompt_token_ids=p, sampling_params=s)) for p, s in batches]
     with LLM(model=random_k2, **SPEC, **fp32, tp=tp, distributed="ray") as llm:
-        assert tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
+        assert [tokens(llm.generate(prompt_token_ids=p, sampling_params=s)) for p, s in batches] == reference
 
 
 @pytest.mark.parametrize("ray_gpus", [2], indirect=True)

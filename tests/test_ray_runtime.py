@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from k2_checkpoints import make_hf_k2, quantize_experts_int4
-from test_grammar import GRAMMAR, MIXED, PLAIN, SCHEMA, THINKING
+from test_grammar import GRAMMAR, MIXED, PLAIN, SCHEMA, THINKING, thinking_params
 from test_grammar import PROMPTS as GRAMMAR_PROMPTS
 from test_scheduler import record_riding_rows, staggered
 
@@ -153,13 +153,19 @@ def test_grammar_requests_on_ray_equal_in_process_ar(cluster, random_k2, spec):
     """structured_outputs on Ray: the engine's matchers make the masks (the first tokens' in the prefill plan, the tree
     nodes' mid-step from the drafter's trees, or without a drafter the roots'), which reach every shard: greedy and
     seeded grammar requests and a plain one batched with them give in-process AR's tokens; those that end parse and
-    follow the schema. So do grammars after free thoughts, whose masks reach the shards once a thought."""
+    follow the schema. So do grammars after free thoughts, whose masks reach the shards once a thought, with
+    other grammars in the batch (its steps unpipelined) and alone (pipelined: the shards halt a slot whose thought
+    ended until the engine has seen that end)."""
     prompts, params = GRAMMAR_PROMPTS + [PLAIN] + GRAMMAR_PROMPTS, MIXED + THINKING
+    alone = thinking_params(False)
     with LLM(model=random_k2, spec="ar") as llm:
         expected = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        expected_alone = llm.generate(prompt_token_ids=GRAMMAR_PROMPTS + [PLAIN], sampling_params=alone)
     kw = {"drafter": "random", "budget": 16, "block_size": 8} if spec == "ddtree" else {}
     with LLM(model=random_k2, spec=spec, tp=2, distributed="ray", **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs_alone = llm.generate(prompt_token_ids=GRAMMAR_PROMPTS + [PLAIN], sampling_params=alone)
+    assert [o.outputs[0].token_ids for o in outs_alone] == [o.outputs[0].token_ids for o in expected_alone]
     assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for c in expected]
     ended = [o.outputs[0] for o in outs[:3] if o.outputs[0].finish_reason == "stop"]
     assert ended

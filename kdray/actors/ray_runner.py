@@ -274,6 +274,8 @@ class RayRunner:
         self.args, self.layout, self.vocab_size = args, layout, vocab_size
         self.actors: EngineActors | None = actors
         self._closed = False
+        # the last step's actors and the function that reads its replies (once; they stay queued until read)
+        self._last_step: tuple[EngineActors, Callable[[], list[dict]]] | None = None
 
     def _send(self, plan: dict, replies: tuple[str, ...], then: Callable[[EngineActors], None] | None = None
               ) -> Callable[[], list[dict]]:
@@ -349,8 +351,11 @@ class RayRunner:
             plan.update(chunk=prefill_plan(prefill), rows=rows)
         masks: dict[str, float] = {}  # a grammar step's: the engine's time making its masks
         seqs = [b for b, g in enumerate(batch.grammars or ()) if g is not None]
+        before = self._last_step
 
         def send_masks(actors: EngineActors):
+            if before is not None and before[0] is actors:  # in flight (thoughts pipeline): its replies queue first
+                before[1]()
             masks["build"] = self._send_masks(actors, batch, seqs)
 
         if seqs:
@@ -361,6 +366,8 @@ class RayRunner:
             if not replies:
                 replies.extend(wait())
             return replies
+
+        self._last_step = (self.actors, replied)
 
         def result() -> StepResult:
             shard, *draft = replied()

@@ -138,7 +138,9 @@ class Engine:
         or only those that finished (whole, their text then made once, at the end). Tokens a request produced after
         its end (found one step late) are discarded; its pages come back once no step in flight can write them. A
         request with a grammar masks its next step by its tokens so far, so while one is in flight the step before
-        is applied first (that step pipelines nothing).
+        is applied first (that step pipelines nothing). Inside a grammar's free thought (one mask throughout) steps
+        pipeline: the step launched before the host has seen the thought's end emits nothing for it (its slot halts
+        on the device until the host ends the thought, see :meth:`SlotState.halt_thoughts`).
 
         Any error fails every running request (their state is gone, their pages freed) and is raised as a
         :class:`RunnerFailure` naming them; waiting requests stay queued, so the engine serves on."""
@@ -217,7 +219,7 @@ class Engine:
                                     grammar=prefill.allowed is not None))
         if step is not None:
             launches.append(_Launch(batch, stepped, prefill=False, nodes=nodes, at=time.perf_counter(),
-                                    grammar=any(s.grammar is not None for s in batch)))
+                                    grammar=step.grammars is not None))
         for launch in launches:
             for i, seq in enumerate(launch.seqs):
                 seq.inflight += 1
@@ -238,13 +240,16 @@ class Engine:
                 share = {k: v / len(launch.seqs) for k, v in result.seconds.items()}
                 for stage, s in result.seconds.items():
                     self.report.seconds[stage] = self.report.seconds.get(stage, 0.0) + s
-                if self.policy is not None:
-                    self.policy.observe(launch.nodes, result.masses, [len(t) for t in tokens], len(launch.seqs),
+                if self.policy is not None:  # its acceptance from the sequences that stepped (a halted one did not)
+                    stepped = [i for i, t in enumerate(tokens) if t]
+                    self.policy.observe(launch.nodes, [result.masses[i] for i in stepped]
+                                        if result.masses is not None and stepped else None,
+                                        [len(tokens[i]) for i in stepped], len(launch.seqs),
                                         sum(result.seconds.values()) or None, now - launch.at if now else None)
             for i, (seq, toks, mass, lps, scored) in enumerate(zip(launch.seqs, tokens, masses, logprobs, scores)):
                 seq.inflight -= 1
                 seq.owed -= _emits(launch, i, seq)
-                if seq.finished or seq.preempted:
+                if seq.finished or seq.preempted or (not launch.prefill and not toks):  # (no tokens: it halted)
                     pass
                 elif not launch.prefill:
                     self._advance(seq, toks, share, launch.nodes, mass, lps, stream)

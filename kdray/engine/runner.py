@@ -39,6 +39,7 @@ from kdray.spec.sampling import RowParams, choose_tokens
 from kdray.spec.transforms import Penalties, RowTransforms, add_path_tokens, apply_transforms
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes a graphed step is padded to
+THOUGHT_HALTED = -2  # SlotState.thought_end of a slot whose thought's end a step accepted (halt_thoughts)
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}  # of the slot state
 
 
@@ -146,7 +147,8 @@ class SlotState:
         self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)  # [n, MAX_LOGIT_BIAS]
         self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
         self.ban_ids = torch.full((n, MAX_BAN), -1, dtype=torch.int64, device=device)  # [n, MAX_BAN]
-        self.thought_end = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]: a running thought's end marker
+        # [n]: a running thought's end marker (-1: none; THOUGHT_HALTED once a step accepted it, until the host ends it)
+        self.thought_end = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.thought_mask: torch.Tensor | None = None  # [n, ceil(V/32)] int32: the tokens its grammar allows there
         self.vocab = vocab
         self.counts: torch.Tensor | None = None  # [n, V] fp32: the output's token counts (bonus included)
@@ -227,6 +229,13 @@ class SlotState:
             thought = frozenset({"thought"} if end >= 0 else ())
             self._set_kind(slot, self.greedy[slot], self.features[slot] - {"thought"} | thought)
 
+    def halt_thoughts(self, idx: torch.Tensor, next_token: torch.Tensor):
+        """After a step of slots ``idx [B]`` with thoughts: a slot whose step accepted its thought's end marker (its
+        next bonus ``next_token [B]``) halts. The host sees that end one step late, so the step it launched meanwhile
+        followed the thought's mask; that step and any before the host ends the thought emit nothing."""
+        ends = self.thought_end[idx]
+        self.thought_end.index_put_((idx,), torch.where(next_token == ends, THOUGHT_HALTED, ends))
+
     def _set_kind(self, slot: int, greedy: bool, features: frozenset[str]):
         """The host copies of what a batch holding ``slot`` pays for, and the count of special slots with them."""
         self.special -= not self.greedy[slot] or bool(self.features[slot])
@@ -297,8 +306,8 @@ class SlotState:
         return tuple(sorted(frozenset().union(*(self.features[s] for s in slots))))
 
     def snapshot(self):
-        """A function that puts back the advancing state (lengths, roots, counts) as it is now."""
-        saved = [(t, t.clone()) for t in (self.prefix_lens, self.roots, self.counts) if t is not None]
+        """A function that puts back the advancing state (lengths, roots, halted thoughts, counts) as it is now."""
+        saved = [(t, t.clone()) for t in (self.prefix_lens, self.roots, self.thought_end, self.counts) if t is not None]
 
         def restore():
             for t, copy in saved:
@@ -671,6 +680,8 @@ class ModelRunner:
 
     def _advance(self, idx: torch.Tensor, committed: Committed, extras: tuple[str, ...]):
         self.slots.advance(idx, committed.length, committed.next_token)
+        if "thought" in extras:
+            self.slots.halt_thoughts(idx, committed.next_token)
         if "penalties" in extras:
             self.slots.count(idx, committed)
 
@@ -736,7 +747,8 @@ class ModelRunner:
 
     def accept(self, verified: Verified, tree: DraftTree, inputs: StepInputs) -> Accepted:
         """The target's choice at every node (argmax, or its exact sample), then the longest path it agrees with (up
-        to a running thought's end marker, which its grammar's masks must follow)."""
+        to a running thought's end marker, which its grammar's masks must follow; nothing for a halted thought's
+        slot, see :meth:`SlotState.halt_thoughts`)."""
         B, width = tree.tokens.shape
         params = inputs.params
         rows = RowParams(*(t.repeat_interleave(width) for t in (params.temperature, params.top_k, params.top_p,
@@ -759,6 +771,9 @@ class ModelRunner:
         valid = torch.arange(width, device=self.device)[None, :] < tree.num_nodes[:, None]  # [B, 1+N]
         nodes, length, next_token = tree_accept(tree.tokens, tree.parents, tree.num_nodes,
                                                 torch.where(valid, choice, -1), self.spec.depth, stop)
+        if stop is not None:
+            halted = stop == THOUGHT_HALTED  # [B]: these keep their root, length 0
+            length, next_token = torch.where(halted, 0, length), torch.where(halted, inputs.roots, next_token)
         return Accepted(nodes, length, next_token)
 
     def commit(self, accepted: Accepted, tree: DraftTree, verified: Verified, inputs: StepInputs) -> Committed:

@@ -92,8 +92,9 @@ class Sequence:
         return min(self.params.max_tokens, max_model_len - len(self.prompt_ids))
 
     def ends_in_flight(self, max_model_len: int) -> bool:
-        """Whether the work in flight surely ends it by length (each owed launch emits at least one token): a step
-        launched now could only produce tokens that are discarded."""
+        """Whether the work in flight surely ends it by length (each owed launch emits at least one token, but for
+        a step that halts at a thought's end, which only delays the next one): a step launched now could only
+        produce tokens that are discarded."""
         return len(self.output_ids) + self.owed >= self.length_limit(max_model_len)
 
     def metrics(self) -> dict:

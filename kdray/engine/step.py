@@ -133,7 +133,7 @@ class Verified:
 @dataclass
 class Accepted:
     nodes: torch.Tensor  # [B, 1+L] int32: accepted node indices along the path (-1 past its end)
-    length: torch.Tensor  # [B] int32: accepted nodes, the root included
+    length: torch.Tensor  # [B] int32: accepted nodes, the root included (0: a halted thought's slot keeps nothing)
     next_token: torch.Tensor  # [B] int64: the target's choice after the path (the next bonus token)
 
 
@@ -153,13 +153,13 @@ class Committed:
         """``[B, 1+L]`` int64: the tokens the step emits in order (the accepted drafts, then the next bonus at
         ``length - 1``; padding after)."""
         out = torch.cat([self.path[:, 1:], self.next_token[:, None]], dim=1)  # [B, 1+L]
-        return out.scatter(1, (self.length.long() - 1)[:, None], self.next_token[:, None])
+        return out.scatter(1, (self.length.long() - 1).clamp(min=0)[:, None], self.next_token[:, None])
 
 
 def unpack_tokens(rows: list[list[int]]) -> list[list[int]]:
-    """Per sequence, the tokens a step emits (the accepted drafts, then the next bonus) from :meth:`Committed.packed`
-    rows."""
-    return [row[3:2 + row[0]] + [row[1]] for row in rows]
+    """Per sequence, the tokens a step emits (the accepted drafts, then the next bonus; none at length 0) from
+    :meth:`Committed.packed` rows."""
+    return [row[3:2 + row[0]] + [row[1]] if row[0] else [] for row in rows]
 
 
 def unpack_logprobs(values: list, ids: list, tokens: list[list[int]]) -> list[list[tuple[list, list]]]:
