@@ -165,7 +165,7 @@ def test_grammar_requests_on_ray_equal_in_process_ar(cluster, random_k2, spec):
     with LLM(model=random_k2, spec=spec, tp=2, distributed="ray", **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         outs_alone = llm.generate(prompt_token_ids=GRAMMAR_PROMPTS + [PLAIN], sampling_params=alone)
-    assert [o.outputs[0].token_ids for o in outs_alone] == [o.outputs[0].token_ids for o in expected_alone]
+    assert tokens(outs_alone) == tokens(expected_alone)
     assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for c in expected]
     ended = [o.outputs[0] for o in outs[:3] if o.outputs[0].finish_reason == "stop"]
     assert ended
