@@ -27,7 +27,7 @@ from kdray.engine.step import STAGES  # noqa: E402
 from kdray.serve.async_engine import AsyncEngine  # noqa: E402
 from kdray.serve.metrics import Metrics  # noqa: E402
 from kdray.serve.protocol import ChatCompletionRequest  # noqa: E402
-from kdray.serve.serving import _Response  # noqa: E402
+from kdray.serve.serving import OpenAIResponse  # noqa: E402
 
 
 class _Pool:
@@ -94,7 +94,7 @@ async def serve(batch: int, steps: int, step_s: float) -> dict:
 
     async def client(i: int) -> int:
         stream = await runner.generate([(f"{rid}{i}-0", [1, 2, 3], None)])
-        response = _Response(f"{rid}{i}", "m", True, req, 1, 3)
+        response = OpenAIResponse(f"{rid}{i}", "m", True, req, 1, 3)
         return sum([1 async for _ in response.sse(stream, None)])
 
     try:

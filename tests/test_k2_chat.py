@@ -1,8 +1,10 @@
 """A Kimi-K2-layout checkpoint (tiktoken.model, tokenizer_config.json, K2's chat template; tests/k2_chat.py) served
 end to end on the CPU and driven through the ``openai`` client: chat, tool calls (whole, streamed, answered),
-what the request asks of the template, and vLLM's /tokenize, /detokenize and /version."""
+what the request asks of the template, vLLM's /tokenize, /detokenize and /version, and Anthropic's /v1/messages
+through the ``anthropic`` client."""
 import json
 
+import anthropic
 import openai
 import pytest
 import requests
@@ -98,3 +100,32 @@ def test_tokenize_detokenize_and_version(k2_chat):
     r = requests.post(f"{k2_chat}/detokenize", json={"tokens": [5000]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     assert requests.get(f"{k2_chat}/version", timeout=10).json() == {"version": kdray.__version__}
+
+
+def test_anthropic_messages_through_the_official_client(k2_chat):
+    """The ``anthropic`` client on /v1/messages: a reply, tool use streamed and answered, a token count, and a 400 in
+    Anthropic's shape."""
+    c = anthropic.Anthropic(base_url=k2_chat, api_key="none", max_retries=0, timeout=120)
+    r = c.messages.create(model=MODEL, max_tokens=64, messages=USER)
+    assert [(b.type, b.text) for b in r.content] == [("text", GREETING_TEXT)] and r.stop_reason == "end_turn"
+    assert c.messages.count_tokens(model=MODEL, messages=USER).input_tokens == (r.usage.input_tokens +
+                                                                                r.usage.cache_read_input_tokens)
+
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    with c.messages.stream(model=MODEL, max_tokens=64, messages=USER, tools=tools) as stream:
+        called = stream.get_final_message()
+    assert called.stop_reason == "tool_use"
+    assert [(b.type, b.id, b.name, b.input) for b in called.content] == [("tool_use", call_id, name, args)
+                                                                         for name, args, call_id in CALLS]
+    results = [{"type": "tool_result", "tool_use_id": b.id, "content": "12°C, rain" if i == 0 else "14:05"}
+               for i, b in enumerate(called.content)]
+    answer = c.messages.create(model=MODEL, max_tokens=64, tools=tools, messages=[
+        *USER, {"role": "assistant", "content": called.content}, {"role": "user", "content": results}])
+    assert [b.text for b in answer.content] == [ANSWER_TEXT]
+
+    with pytest.raises(anthropic.BadRequestError, match="image") as e:
+        c.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": e.value.body["error"]["message"]}}

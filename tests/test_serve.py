@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import requests
@@ -346,6 +347,17 @@ def test_the_key_takes_the_bearer_scheme_in_any_case_and_guards_everything_but_h
     assert requests.get(f"{server}/chat/health", timeout=10).status_code == 200
     assert requests.get(f"{server}/metrics", timeout=10).status_code == 200  # open unless protect_metrics
     assert requests.get(f"{server}/docs", timeout=10).status_code == 404  # no page that loads a CDN's scripts
+
+
+def test_anthropics_x_api_key_header_carries_the_key_and_its_errors_are_anthropic_shaped(server):
+    ok = anthropic.Anthropic(base_url=f"{server}/chat", api_key=KEY, max_retries=0, timeout=120)
+    assert ok.messages.create(model=CHAT, max_tokens=2, messages=MESSAGES).usage.output_tokens == 2
+    wrong = anthropic.Anthropic(base_url=f"{server}/chat", api_key=f"{KEY}x", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        wrong.messages.create(model=CHAT, max_tokens=2, messages=MESSAGES)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    r = requests.get(f"{server}/chat/v1/models", headers={"x-api-key": KEY}, timeout=10)
+    assert r.status_code == 200
 
 
 def test_fastapis_own_errors_are_openai_shaped(server):

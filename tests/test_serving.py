@@ -12,7 +12,7 @@ from kdray.engine.engine import RunnerFailure
 from kdray.model.tokenizer import TiktokenBackend, Tokenizer
 from kdray.serve.async_engine import EngineDead, EngineRestarted, QueueFull
 from kdray.serve.protocol import METADATA_FIELDS, APIError, ChatCompletionRequest, CompletionRequest, sse, validate
-from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing, _Response, api_error
+from kdray.serve.serving import DEFAULT_COMPLETION_TOKENS, OpenAIServing, OpenAIResponse, api_error
 
 CONTEXT = 64
 
@@ -140,14 +140,23 @@ def test_tokenization_runs_off_the_event_loop():
     engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, max_model_len=CONTEXT), capacity=4)
     server = OpenAIServing(engine, "m")
 
+    async def submit(req, prompts, chat, echo):  # stop before the engine, showing the prompts
+        raise Submitted(prompts)
+
     async def scenario():
-        server._generate = lambda req, prompts, arrived, chat, echo: asyncio.sleep(0, prompts)  # stop before the engine
+        server._submit = submit
         pending = asyncio.ensure_future(server.completions({"model": "m", "prompt": "a long text"}))
         await asyncio.sleep(0.05)  # the loop runs while the tokenizer works
         tokenizer.release.set()
         return await pending
 
-    assert asyncio.run(scenario()) == [[1, 2, 3]]
+    with pytest.raises(Submitted) as e:
+        asyncio.run(scenario())
+    assert e.value.args[0] == [[1, 2, 3]]
+
+
+class Submitted(Exception):
+    """What a stub of the engine's submission raises: the prompts it was given."""
 
 
 @pytest.mark.parametrize("error,status,kind,code", [
@@ -173,7 +182,7 @@ def test_a_stream_chunk_is_the_event_of_its_whole_body(chat):
     req = validate(ChatCompletionRequest if chat else CompletionRequest,
                    {"model": 'm "1"\u2028', "stream": True, **({"messages": [{"role": "user", "content": "hi"}]}
                                                               if chat else {"prompt": "hi"})})
-    response = _Response('cmpl-"é"', 'm "1"\u2028', chat, req, 1, 3)
+    response = OpenAIResponse('cmpl-"é"', 'm "1"\u2028', chat, req, 1, 3)
     obj = "chat.completion.chunk" if chat else "text_completion"
     choice = {"index": 0, "delta": {"content": 'a"\n\\😀\u2028'}, "logprobs": None, "finish_reason": None}
     assert response._chunks(obj)(choice) == sse({**response._head(obj), "choices": [choice]})

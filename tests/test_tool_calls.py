@@ -11,7 +11,7 @@ from test_tokenizer import write_k2_dir
 from kdray.engine.request import CompletionOutput, RequestOutput
 from kdray.model.tokenizer import IncrementalDetokenizer, TiktokenBackend, Tokenizer
 from kdray.serve.protocol import ChatCompletionRequest
-from kdray.serve.serving import _Response
+from kdray.serve.serving import OpenAIResponse
 from kdray.serve.tool_calls import ToolCallParser
 
 BYTES = {bytes([b]): b for b in range(256)}
@@ -81,7 +81,7 @@ class FakeStream:
         pass
 
 
-def streamed(response: _Response, outs: list[RequestOutput]) -> dict:
+def streamed(response: OpenAIResponse, outs: list[RequestOutput]) -> dict:
     """The message a client assembles from the SSE deltas: content, tool calls, finish reason."""
     async def collect():
         return [event async for event in response.sse(FakeStream(outs), lambda: None)]
@@ -116,7 +116,7 @@ def test_a_streamed_reply_is_decoded_as_it_grows_not_again_at_every_chunk(k2):
     the whole reply at every chunk (O(n^2): a 32k-token reply decoded 32k times over)."""
     ids = k2.encode("Let me think about this for a while. " * 60 + K2_REPLY)
     counting = CountingTokenizer(k2)
-    got = streamed(_Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(counting)),
+    got = streamed(OpenAIResponse("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(counting)),
                    outputs(k2, ids, random.Random(0)))
     check_calls(got["tool_calls"], K2_CALLS)
     assert got["content"].startswith("Let me think") and len(ids) > 400
@@ -143,11 +143,11 @@ def test_tool_calls_whole_and_streamed_in_random_chunks(request, fmt, parallel):
     rng = random.Random(0)
     for _ in range(20):
         outs = outputs(tok, ids, rng)
-        body = _Response("r", "m", True, req, 1, 1, tools=parser).body([joined(outs)])
+        body = OpenAIResponse("r", "m", True, req, 1, 1, tools=parser).body([joined(outs)])
         message, finish = body["choices"][0]["message"], body["choices"][0]["finish_reason"]
         assert (message["content"], finish) == (content, "tool_calls")
         check_calls(message["tool_calls"], expected)
-        got = streamed(_Response("r", "m", True, req, 1, 1, tools=parser), outs)
+        got = streamed(OpenAIResponse("r", "m", True, req, 1, 1, tools=parser), outs)
         assert got["content"] == content and got["finish_reason"] == "tool_calls"
         check_calls(got["tool_calls"], expected)
 
@@ -161,10 +161,10 @@ def test_replies_without_complete_calls_keep_their_text(k2, hermes):
     for tok, reply, finish in cases:
         ids = tok.encode(reply)
         outs = outputs(tok, ids, rng, finish)
-        response = _Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok))
+        response = OpenAIResponse("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok))
         message = response.body([joined(outs)])["choices"][0]["message"]
         assert message == {"role": "assistant", "content": tok.decode(ids)}
-        got = streamed(_Response("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok)), outs)
+        got = streamed(OpenAIResponse("r", "m", True, chat_request(), 1, 1, tools=ToolCallParser(tok)), outs)
         assert got["finish_reason"] == finish
         if finish == "stop":
             assert (got["content"], got["tool_calls"]) == (tok.decode(ids), [])

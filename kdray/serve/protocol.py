@@ -105,24 +105,36 @@ def _field(loc: tuple) -> str:
     return out
 
 
-def validate(model: type[BaseModel], data: dict):
-    """``model`` built from ``data``; the first validation error becomes a 400 naming its field."""
+def validate(model: type[BaseModel], data: dict, tags: tuple[str, ...] = ()):
+    """``model`` built from ``data``; the first validation error becomes a 400 naming its field (``tags``: the tags of
+    a discriminated union of list items, which pydantic's path names after the item's index, left out of the name)."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         cause = err.get("ctx", {}).get("error")
         if isinstance(cause, FieldError):  # a model's check: name (and show, when given) the field it is about
-            value = err["input"].get(cause.loc[0])
+            value = _at(err["input"], cause.loc)
             err = {"type": err["type"], "msg": err["msg"], "loc": (*err["loc"], *cause.loc),
                    **({} if value is None else {"input": value})}
-        name = _field(err["loc"])
+        loc = err["loc"]
+        name = _field([p for i, p in enumerate(loc) if not (p in tags and i and isinstance(loc[i - 1], int))])
         if err["type"] == "extra_forbidden":
             why = _UNSUPPORTED.get(name, "kdray does not implement this field")
             raise APIError(400, f"{name}: {why}; leave it out", param=name, code="unsupported_field") from None
         msg = err["msg"].removeprefix("Value error, ")
         got = f" (got {_brief(err['input'])})" if "input" in err and err["type"] != "missing" else ""
         raise APIError(400, f"{name}: {msg}{got}", param=name, code="invalid_value") from None
+
+
+def _at(value: Any, loc: tuple) -> Any:
+    """What lies at ``loc`` inside ``value`` (None where nothing does)."""
+    for part in loc:
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
 
 
 def _brief(value: Any) -> str:
@@ -134,7 +146,7 @@ def _brief(value: Any) -> str:
     return json.dumps(value)[:80]
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     @model_validator(mode="before")
@@ -144,7 +156,7 @@ class _Strict(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -152,7 +164,7 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
-class JSONSchemaSpec(_Strict):
+class JSONSchemaSpec(Strict):
     """``response_format.json_schema``: the schema the reply follows (``strict``: no properties beyond the ones it
     names, even where the schema leaves them open)."""
 
@@ -162,7 +174,7 @@ class JSONSchemaSpec(_Strict):
     strict: bool = False
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """``response_format``: plain text, any JSON object, or JSON following a schema (constrained decoding)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -185,7 +197,7 @@ class ResponseFormat(_Strict):
                                        disable_additional_properties=self.json_schema.strict)
 
 
-class GenerationRequest(_Strict):
+class GenerationRequest(Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -313,7 +325,7 @@ class CompletionRequest(GenerationRequest):
         return self
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str = Field(min_length=1)
     arguments: str  # a JSON object, as text
 
@@ -329,13 +341,13 @@ class FunctionCall(_Strict):
         return v
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """One message: text content (parts joined), and for the assistant the tool calls it made, for a tool the
     id of the call it answers."""
 
@@ -378,23 +390,23 @@ class ChatMessage(_Strict):
         return out
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool = False  # arguments exactly as the schema says: what a forced call's grammar always does
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str = Field(min_length=1)
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     """``tool_choice`` naming the one function the reply calls."""
 
     type: Literal["function"]
@@ -405,7 +417,7 @@ class NamedToolChoice(_Strict):
 TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
 
-class ChatTemplateFields(_Strict):
+class ChatTemplateFields(Strict):
     """What a chat template renders: the messages, the tools and documents, and how the prompt ends."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -507,7 +519,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return [t.function for t in self.tools], self.parallel_tool_calls
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(Strict):
     """``POST /tokenize`` with a prompt: its token ids, as /v1/completions would use them."""
 
     model: str | None = None
@@ -520,7 +532,7 @@ class TokenizeChatRequest(ChatTemplateFields):
     model: str | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """``POST /detokenize``: the text of token ids."""
 
     model: str | None = None

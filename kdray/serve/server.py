@@ -31,6 +31,7 @@ from kdray.actors.ray_runner import drafter_shares_gpu, engine_bundles
 from kdray.llm import LLM
 from kdray.model.loader import check_parallel
 from kdray.model.presets import PRESETS
+from kdray.serve.anthropic import AnthropicServing, error_body
 from kdray.serve.args import ServeArgs
 from kdray.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from kdray.serve.batch_store import MAX_FILES_LISTED, MAX_LISTED, BatchStore
@@ -112,8 +113,9 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def _error_response(err: APIError, anthropic: bool = False) -> JSONResponse:
+    """``err`` as OpenAI's error body, or (``anthropic``: a Messages API route) as Anthropic's."""
+    return JSONResponse(error_body(err) if anthropic else err.body(), status_code=err.status, headers=err.headers)
 
 
 @api.exception_handler(HTTPException)
@@ -175,6 +177,7 @@ class KdrayServer:
         self.metrics = Metrics({"app": context.app_name, "replica": context.replica_id.unique_id, "model": name})
         self.engine = AsyncEngine(self.llm.engine, args.max_num_seqs, args.max_queue, self.metrics)
         self.openai = OpenAIServing(self.engine, name)
+        self.anthropic = AnthropicServing(self.openai)
         self.api_key = args.api_key
         self.batches = BatchStore(args.batch_dir, self._send_batch_request, args.max_num_seqs, args.max_file_bytes,
                                   args.batch_retention_days)
@@ -216,9 +219,10 @@ class KdrayServer:
                 if err.status != 503 or tries == BATCH_LINE_TRIES:
                     return err.status, err.body()
 
-    async def _handle(self, request: Request, route: str, handler: Callable[[], Any], public: bool = False
-                      ) -> Response:
-        """Authorise (unless ``public``), run ``handler``, turn its result (or error) into a response, count it."""
+    async def _handle(self, request: Request, route: str, handler: Callable[[], Any], public: bool = False,
+                      anthropic: bool = False) -> Response:
+        """Authorise (unless ``public``), run ``handler``, turn its result (or error: Anthropic's shape on its
+        routes) into a response, count it."""
         try:
             if not public:
                 self._authorize(request)
@@ -232,17 +236,20 @@ class KdrayServer:
             else:
                 response = JSONResponse(result)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body; the server keeps serving
-            response = _error_response(api_error(e, route))
+            response = _error_response(api_error(e, route), anthropic)
         self.metrics.requests.inc(route=route, status=str(response.status_code))
         return response
 
     def _authorize(self, request: Request):
-        """``Authorization: Bearer <key>`` (the scheme in any case) when the server has a key."""
+        """``Authorization: Bearer <key>`` (the scheme in any case), or Anthropic's ``x-api-key: <key>``, when the
+        server has a key."""
         if self.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def _health(self) -> dict:
@@ -305,6 +312,16 @@ class KdrayServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._handle(request, "/v1/chat/completions", lambda: self._json(request, self.openai.chat))
+
+    @api.post("/v1/messages")
+    async def messages(self, request: Request):
+        return await self._handle(request, "/v1/messages", lambda: self._json(request, self.anthropic.messages),
+                                  anthropic=True)
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        return await self._handle(request, "/v1/messages/count_tokens",
+                                  lambda: self._json(request, self.anthropic.count_tokens), anthropic=True)
 
     @api.post("/v1/files")
     async def create_file(self, request: Request):

@@ -22,6 +22,7 @@ from kdray.serve.protocol import (SSE_DONE, APIError, ChatCompletionRequest, Cha
                                   DetokenizeRequest, GenerationRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                   sse, usage, validate)
 from kdray.serve.reasoning import ReasoningFormat, ReasoningSplit
+from kdray.serve.thought_budget import BudgetedThought
 from kdray.serve.tool_calls import ParsedCall, ToolCallParser, ToolText
 from kdray.spec.structured_outputs import StructuredOutputsParams
 
@@ -68,38 +69,53 @@ class OpenAIServing:
         """``POST /v1/completions``: a response body, or SSE text when ``stream`` is true."""
         arrived = time.perf_counter()
         req = validate(CompletionRequest, data)
-        self._check_model(req.model)
+        self.check_model(req.model)
         self._check_size(len(req.prompt), req.n)
         prompts = await asyncio.to_thread(lambda: [p if isinstance(p, list) else self._encode(p) for p in req.prompt])
         echo = None
         if req.echo:  # the prompts' text, before each choice's
             echo = await asyncio.to_thread(lambda: [p if isinstance(p, str) else self._decode(p, "echo")
                                                     for p in req.prompt])
-        return await self._generate(req, prompts, arrived, chat=False, echo=echo)
+        return await self._finish(req, *await self._submit(req, prompts, chat=False, echo=echo), arrived)
 
     async def chat(self, data: dict) -> dict | AsyncIterator[str]:
         """``POST /v1/chat/completions``: the prompt is the tokenizer's chat template over ``messages`` (and
         ``tools``, ``documents``, ...); tool calls in the reply are parsed unless ``tool_choice`` is "none"."""
         arrived = time.perf_counter()
         req = validate(ChatCompletionRequest, data)
-        self._check_model(req.model)
+        return await self._finish(req, *await self.submit_chat(req), arrived)
+
+    async def submit_chat(self, req: ChatCompletionRequest, close_thought: bool = False,
+                          thought_budget: int | None = None) -> tuple[OpenAIResponse, RequestStream, list[str]]:
+        """A validated chat request sent to the engine: its response shapes, its stream, its engine request ids
+        (``close_thought``: see :meth:`prompt`; ``thought_budget``: a thinking model's thought cut after that many
+        tokens, see :class:`BudgetedThought`)."""
+        self.check_model(req.model)
         self._check_size(1, req.n)
         if not req.include_reasoning and self.reasoning is None:
             raise APIError(400, f"include_reasoning: model '{self.model_name}' does not think (its chat template "
                            "writes no <think>), so its replies have no reasoning to leave out; leave the field out",
                            param="include_reasoning", code="invalid_value")
-        ids = await asyncio.to_thread(self._render, req)
+        ids = await self.prompt(req, close_thought)
         tools = self.tool_calls if req.parses_tool_calls else None
         thought = None if self.reasoning is None else _Thought(self.reasoning, self.reasoning.opened(ids),
                                                                  req.include_reasoning)
-        return await self._generate(req, [ids], arrived, chat=True, tools=tools, thought=thought)
+        return await self._submit(req, [ids], chat=True, tools=tools, thought=thought, thought_budget=thought_budget)
+
+    async def prompt(self, req: ChatTemplateFields, close_thought: bool = False) -> list[int]:
+        """The chat prompt's token ids (rendered off the event loop); ``close_thought``: a thinking model's thought
+        closed at once (``</think>``, after ``<think>`` unless the template opened it), so the reply answers."""
+        ids = await asyncio.to_thread(self._render, req)
+        if close_thought and self.reasoning is not None:
+            ids += ([] if self.reasoning.opened(ids) else [self.reasoning.think]) + [self.reasoning.think_end]
+        return ids
 
     async def tokenize(self, data: dict) -> dict:
         """``POST /tokenize`` (vLLM's): the token ids of a ``prompt``, or of ``messages`` rendered for chat."""
         req = validate(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
-        self._check_model(req.model)
+        self.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            ids = await asyncio.to_thread(self._render, req)
+            ids = await self.prompt(req)
         else:
             ids = await asyncio.to_thread(self._encode, req.prompt)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
@@ -107,7 +123,7 @@ class OpenAIServing:
     async def detokenize(self, data: dict) -> dict:
         """``POST /detokenize`` (vLLM's): the text of ``tokens``."""
         req = validate(DetokenizeRequest, data)
-        self._check_model(req.model)
+        self.check_model(req.model)
         vocab = self.engine.engine.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens: ids must lie in [0, {vocab})", param="tokens")
@@ -129,7 +145,7 @@ class OpenAIServing:
             raise APIError(400, f"n: {prompts} prompts x n={n} make {prompts * n} requests, more than this server "
                            f"takes at once ({self.engine.capacity}); split the request", param="n")
 
-    def _check_model(self, model: str | None):
+    def check_model(self, model: str | None):
         if model is not None and model != self.model_name:
             raise APIError(400, f"model: '{model}' is not served here; this server serves '{self.model_name}' "
                            "(see GET /v1/models)", param="model", code="model_not_found")
@@ -207,11 +223,13 @@ class OpenAIServing:
                            code="context_length_exceeded")
         return wanted
 
-    async def _generate(self, req: GenerationRequest, prompts: list[list[int]], arrived: float, chat: bool,
-                        echo: list[str] | None = None, tools: ToolCallParser | None = None,
-                        thought: _Thought | None = None):
-        """The engine's requests for ``prompts``; their response body, or SSE text (``arrived``: when the handler
-        began, for the server-side time to first token; ``thought``: how a thinking model's chat reply starts)."""
+    async def _submit(self, req: GenerationRequest, prompts: list[list[int]], chat: bool,
+                      echo: list[str] | None = None, tools: ToolCallParser | None = None,
+                      thought: _Thought | None = None, thought_budget: int | None = None
+                      ) -> tuple[OpenAIResponse, RequestStream, list[str]]:
+        """The engine's requests for ``prompts`` sent: their response shapes, their stream and ids (``thought``: how a
+        thinking model's chat reply starts; ``thought_budget``: its most tokens, for one sample without
+        log-probabilities)."""
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
@@ -235,8 +253,13 @@ class OpenAIServing:
                                         logprobs=req.reported_logprobs, prompt_logprobs=req.reported_prompt_logprobs,
                                         structured_outputs=grammar)
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
-        response = _Response(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo, tools,
-                             self._token_text, thought)
+        response = OpenAIResponse(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo,
+                                  tools, self._token_text, thought)
+        budgeted = thought_budget is not None and thought is not None
+        if budgeted:  # the continuation's grammar holds the answer alone
+            (request,) = requests
+            assert request[2].logprobs is None and not request[2].min_tokens, "a budget's cut keeps neither"
+            answer = await asyncio.to_thread(self._grammar, req, None) if req.constrained else None
         try:
             stream = await self.engine.generate(requests)
         except ValueError as e:  # the engine refused the prompt, or a field ("<field>: why")
@@ -244,16 +267,33 @@ class OpenAIServing:
             if name in type(req).model_fields:
                 raise APIError(400, str(e), param=name, code="invalid_value") from None
             raise APIError(400, str(e), code="invalid_prompt") from None
+        if budgeted:
+            stream = BudgetedThought(self.engine.generate, stream, request, thought.format, thought.opened,
+                                     thought_budget, replace(request[2], structured_outputs=answer))
+        return response, stream, [r[0] for r in requests]
+
+    async def _finish(self, req: GenerationRequest, response: OpenAIResponse, stream: RequestStream, ids: list[str],
+                      arrived: float) -> dict | AsyncIterator[str]:
+        """The response body of a submitted request, or its SSE text (``arrived``: when the handler began)."""
         if req.stream:
-            ttft = self.engine.metrics.server_ttft
-            return response.sse(stream, lambda: ttft.observe(time.perf_counter() - arrived))
-        try:
-            whole: dict[str, RequestOutput] = {}
-            async for out in stream:
-                join_output(whole, out)
-        finally:
-            stream.abort()
-        return response.body([whole[r[0]] for r in requests])
+            return response.sse(stream, self.first_token(arrived))
+        return response.body(await collect(stream, ids))
+
+    def first_token(self, arrived: float) -> Callable[[], None]:
+        """What a stream calls as its first token goes out: the server-side time to first token is observed."""
+        ttft = self.engine.metrics.server_ttft
+        return lambda: ttft.observe(time.perf_counter() - arrived)
+
+
+async def collect(stream: RequestStream, ids: list[str]) -> list[RequestOutput]:
+    """The whole outputs of engine requests ``ids`` from their stream (aborted at the end, whatever happens)."""
+    try:
+        whole: dict[str, RequestOutput] = {}
+        async for out in stream:
+            join_output(whole, out)
+    finally:
+        stream.abort()
+    return [whole[i] for i in ids]
 
 
 @dataclass
@@ -267,7 +307,7 @@ class _Thought:
 
 
 @dataclass
-class _Sent:
+class Sent:
     """What a stream has sent of one choice (or what a whole body has read of it): its text, its token ids, and per
     tool call its id and arguments."""
 
@@ -282,7 +322,7 @@ class _Sent:
     split: ReasoningSplit | None = None  # a thinking model's: where the reasoning ends, found as the reply grows
 
 
-class _Response:
+class OpenAIResponse:
     """The OpenAI body shapes of one request: a whole response or its SSE chunks."""
 
     def __init__(self, rid: str, model: str, chat: bool, req: GenerationRequest, choices: int, prompt_tokens: int,
@@ -330,7 +370,7 @@ class _Response:
             choice["token_ids"] = token_ids
         return choice
 
-    def _reply(self, c: CompletionOutput, finished: bool, sent: _Sent
+    def _reply(self, c: CompletionOutput, finished: bool, sent: Sent
                ) -> tuple[str | None, str, list[ParsedCall], str | None]:
         """A choice's reasoning (None: it does not think), content, tool calls and finish reason so far: with tools,
         the content's text before the calls (all of it when the finished reply has none) and finish reason
@@ -356,7 +396,7 @@ class _Response:
             return reasoning, reply.content, [], c.finish_reason
         return reasoning, text, [], c.finish_reason
 
-    def _sample(self, out: RequestOutput) -> CompletionOutput:
+    def sample(self, out: RequestOutput) -> CompletionOutput:
         """A choice's sample as answered: with ``max_tokens`` 0, none of it (the token the engine drew is dropped)."""
         c = out.outputs[0]
         return c if self.generates else replace(c, text="", token_ids=[], cumulative_logprob=None,
@@ -367,9 +407,9 @@ class _Response:
         return (out.prompt_token_ids, out.prompt_logprobs) if self.echo and self.top is not None else ([], [])
 
     def body(self, outputs: list[RequestOutput]) -> dict:
-        choices, read = [], [_Sent() for _ in outputs]
+        choices, read = [], [Sent() for _ in outputs]
         for index, (out, sent) in enumerate(zip(outputs, read)):
-            c = self._sample(out)
+            c = self.sample(out)
             sent.ids, sent.cached = len(c.token_ids), out.num_cached_tokens
             reasoning, text, calls, finish = self._reply(c, True, sent)
             if self.echo:
@@ -384,7 +424,7 @@ class _Response:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": self._usage(read)}
 
-    def _usage(self, sent: list[_Sent]) -> dict:
+    def _usage(self, sent: list[Sent]) -> dict:
         """The usage of the choices read (``sent``): each prompt counted once (its first choice's cached tokens),
         and a thinking model's reasoning tokens."""
         reasoning = None if self.thought is None else sum(s.split.tokens for s in sent if s.split is not None)
@@ -394,7 +434,7 @@ class _Response:
         """The reasoning a reply shows: none when the request leaves it out (``include_reasoning``: false)."""
         return reasoning if self.thought is not None and self.thought.shown else None
 
-    def _delta(self, c: CompletionOutput, finished: bool, sent: _Sent
+    def delta(self, c: CompletionOutput, finished: bool, sent: Sent
                ) -> tuple[str | None, str, list[dict], str | None]:
         """What a choice adds to what its stream has sent: reasoning (None: none), text, tool-call deltas, the finish
         reason.
@@ -425,7 +465,7 @@ class _Response:
                 deltas.append({"index": i, "function": {"arguments": arguments}})
         return thought, text, deltas, finish
 
-    def _logprobs(self, tokens: list[int], logprobs: list[dict[int, Logprob] | None], sent: _Sent) -> dict | None:
+    def _logprobs(self, tokens: list[int], logprobs: list[dict[int, Logprob] | None], sent: Sent) -> dict | None:
         """The log-probabilities of ``tokens`` (each one's ``{token id: Logprob}``; None for a prompt's first, which
         has none) in OpenAI's shape (None when not asked): completions' ``{tokens, token_logprobs, top_logprobs,
         text_offset}`` (``sent.offset`` advanced), chat's ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
@@ -456,7 +496,7 @@ class _Response:
         with a generated token goes out."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = self._chunks(obj)
-        sent = [_Sent() for _ in range(self.choices)]
+        sent = [Sent() for _ in range(self.choices)]
         whole: dict[str, RequestOutput] = {}  # per choice: its outputs joined
         try:
             for index in range(self.choices):
@@ -473,8 +513,8 @@ class _Response:
                     logprobs = self._logprobs(*self._echoed(out), sent[index])
                     choice = self._choice(index, self.echo[index], [], None, True, logprobs=logprobs)
                     yield chunk(choice)
-                c = self._sample(out)
-                thought, text, tool_calls, finish = self._delta(c, out.finished, sent[index])
+                c = self.sample(out)
+                thought, text, tool_calls, finish = self.delta(c, out.finished, sent[index])
                 ids = c.token_ids[sent[index].ids:]
                 logprobs = self._logprobs(ids, (c.logprobs or [])[sent[index].ids:], sent[index])
                 sent[index].ids = len(c.token_ids)
