@@ -1,7 +1,7 @@
 """A thinking model's reasoning apart from its reply (``reasoning_content``), through the OpenAI chat handler
 in-process on the thinking variant of tests/k2_chat.py (K2-Thinking's markers and a template that writes them):
 whole and streamed, after a thought the prompt opened, with tools, under a grammar (which holds the content only),
-left out on request; and where the reasoning ends, found as a reply grows."""
+left out on request, cut at a budget of tokens; and where the reasoning ends, found as a reply grows."""
 import asyncio
 import json
 import random
@@ -134,13 +134,38 @@ def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it(thinki
         with pytest.raises(APIError, match="does not read it") as e:
             call(other, {"messages": turn})
         assert e.value.param == "messages[1].reasoning_content"
-        with pytest.raises(APIError, match="does not think") as e:
-            call(other, {"include_reasoning": False})
-        assert e.value.param == "include_reasoning"
+        for field, value in (("include_reasoning", False), ("thinking_token_budget", 8)):
+            with pytest.raises(APIError, match="does not think") as e:
+                call(other, {field: value})
+            assert e.value.param == field
     finally:
         other.engine.shutdown()
     with pytest.raises(APIError, match="only assistant messages carry reasoning_content"):
         call(thinking, {"messages": [{**USER[0], "reasoning_content": "x"}]})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"open_thought": True}], ids=["model-opens", "prompt-opens"])
+def test_thinking_token_budget_cuts_the_thought_and_the_reply_answers(thinking, kwargs):
+    """vLLM's ``thinking_token_budget``: the scripted thought (two tokens) cut after one, or closed in the prompt
+    (0); the reply answers after it, whole and streamed; under a grammar the answer follows it."""
+    for budget, reasoning in ((1, THOUGHT[0]), (2, THOUGHT_TEXT), (0, None)):
+        body = {"chat_template_kwargs": kwargs, "thinking_token_budget": budget}
+        message = call(thinking, body)["choices"][0]["message"]
+        assert (message.get("reasoning_content"), message["content"]) == (reasoning, GREETING_TEXT), budget
+        got = streamed(call(thinking, {**body, "stream": True}))
+        assert (got.get("reasoning_content"), got["content"]) == (reasoning, GREETING_TEXT), budget
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    for budget, reasoning in ((1, THOUGHT[0]), (0, None)):
+        message = call(thinking, {"chat_template_kwargs": kwargs, "thinking_token_budget": budget, "max_tokens": 40,
+                                  "response_format": schema})["choices"][0]["message"]
+        assert message.get("reasoning_content") == reasoning and json.loads(message["content"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("field,value", [("n", 2), ("logprobs", True), ("min_tokens", 1)])
+def test_thinking_token_budget_is_for_one_sample_without_logprobs_or_min_tokens(thinking, field, value):
+    with pytest.raises(APIError, match=f"leave out {field} or the budget") as e:
+        call(thinking, {"thinking_token_budget": 4, field: value})
+    assert e.value.param == "thinking_token_budget"
 
 
 def test_a_thought_opened_by_the_prompt_is_its_last_marker():

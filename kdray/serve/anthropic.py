@@ -258,10 +258,12 @@ class MessagesRequest(MessagesPrompt):
             raise ValueError("disable_parallel_tool_use applies where calls may be made; leave it out with 'none'")
         return v
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def chat_request(self, thought_budget: int | None) -> ChatCompletionRequest:
+        """The chat completion request of this one (``thought_budget``: its ``thinking_token_budget``)."""
         return validate(ChatCompletionRequest, {
             **self.chat_fields(), "max_tokens": self.max_tokens, "stop": self.stop_sequences, "stream": self.stream,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k})
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "thinking_token_budget": thought_budget})
 
 
 class AnthropicServing:
@@ -274,8 +276,7 @@ class AnthropicServing:
         """``POST /v1/messages``: a Message, or its events when ``stream`` is true."""
         arrived = time.perf_counter()
         req = validate(MessagesRequest, data, BLOCK_TYPES)
-        close, budget = self._thought(req)
-        response, stream, ids = await self.openai.submit_chat(req.chat_request(), close, budget)
+        response, stream, ids = await self.openai.submit_chat(req.chat_request(self._budget(req)))
         reply = _Reply(response, f"msg_{response.rid.split('-', 1)[1]}")
         if req.stream:
             return reply.events(stream, self.openai.first_token(arrived))
@@ -286,18 +287,18 @@ class AnthropicServing:
         req = validate(MessagesPrompt, data, BLOCK_TYPES)
         self.openai.check_model(req.model)
         chat = validate(ChatCompletionRequest, req.chat_fields())
-        return {"input_tokens": len(await self.openai.prompt(chat, self._thought(req)[0]))}
+        return {"input_tokens": len(await self.openai.prompt(chat, close_thought=self._budget(req) == 0))}
 
-    def _thought(self, req: MessagesPrompt) -> tuple[bool, int | None]:
-        """How the request's ``thinking`` sets a thinking model's thought: closed in the prompt (``disabled``), and
-        its budget of tokens (``enabled``)."""
+    def _budget(self, req: MessagesPrompt) -> int | None:
+        """The thinking model's thought budget the request's ``thinking`` sets: ``budget_tokens`` (``enabled``), 0
+        (``disabled``: closed in the prompt), or none."""
         thinking = req.thinking
         if thinking is None or self.openai.reasoning is None and thinking.type == "disabled":
-            return False, None
+            return None
         if self.openai.reasoning is None:
             raise APIError(400, f"thinking: model '{self.openai.model_name}' does not think (its chat template writes "
                            "no <think>); leave thinking out", param="thinking")
-        return thinking.type == "disabled", thinking.budget_tokens
+        return thinking.budget_tokens or 0
 
 
 class _Reply:

@@ -455,6 +455,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: the reply's first tool call only
     include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning_content out of the reply
+    # vLLM's: a thinking model's thought cut after this many tokens (0: closed in the prompt), then the reply answers
+    thinking_token_budget: int | None = Field(None, ge=0, le=MAX_TOKENS)
 
     @field_validator("tool_choice")
     @classmethod
@@ -488,6 +490,12 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
                                                    "calls; leave one of them out")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError(("top_logprobs",), "needs logprobs: true; send it or leave top_logprobs out")
+        if self.thinking_token_budget:  # the cut thought's continuation is a request of its own
+            taken = [name for name, on in (("n", self.n > 1), ("logprobs", self.logprobs),
+                                           ("min_tokens", self.min_tokens)) if on]
+            if taken:
+                raise FieldError(("thinking_token_budget",), f"kdray cuts a thought for one sample without "
+                                 f"log-probabilities or min_tokens; leave out {taken[0]} or the budget")
         return self
 
     @property

@@ -85,22 +85,23 @@ class OpenAIServing:
         req = validate(ChatCompletionRequest, data)
         return await self._finish(req, *await self.submit_chat(req), arrived)
 
-    async def submit_chat(self, req: ChatCompletionRequest, close_thought: bool = False,
-                          thought_budget: int | None = None) -> tuple[OpenAIResponse, RequestStream, list[str]]:
-        """A validated chat request sent to the engine: its response shapes, its stream, its engine request ids
-        (``close_thought``: see :meth:`prompt`; ``thought_budget``: a thinking model's thought cut after that many
-        tokens, see :class:`BudgetedThought`)."""
+    async def submit_chat(self, req: ChatCompletionRequest) -> tuple[OpenAIResponse, RequestStream, list[str]]:
+        """A validated chat request sent to the engine: its response shapes, its stream, its engine request ids (a
+        ``thinking_token_budget`` of 0 closes the thought in the prompt, more cut it: :class:`BudgetedThought`)."""
         self.check_model(req.model)
         self._check_size(1, req.n)
-        if not req.include_reasoning and self.reasoning is None:
-            raise APIError(400, f"include_reasoning: model '{self.model_name}' does not think (its chat template "
-                           "writes no <think>), so its replies have no reasoning to leave out; leave the field out",
-                           param="include_reasoning", code="invalid_value")
-        ids = await self.prompt(req, close_thought)
+        for name, given in (("include_reasoning", not req.include_reasoning),
+                            ("thinking_token_budget", req.thinking_token_budget is not None)):
+            if given and self.reasoning is None:
+                raise APIError(400, f"{name}: model '{self.model_name}' does not think (its chat template writes no "
+                               "<think>), so its replies have no reasoning; leave the field out", param=name,
+                               code="invalid_value")
+        budget = req.thinking_token_budget
+        ids = await self.prompt(req, close_thought=budget == 0)
         tools = self.tool_calls if req.parses_tool_calls else None
         thought = None if self.reasoning is None else _Thought(self.reasoning, self.reasoning.opened(ids),
                                                                  req.include_reasoning)
-        return await self._submit(req, [ids], chat=True, tools=tools, thought=thought, thought_budget=thought_budget)
+        return await self._submit(req, [ids], chat=True, tools=tools, thought=thought, thought_budget=budget)
 
     async def prompt(self, req: ChatTemplateFields, close_thought: bool = False) -> list[int]:
         """The chat prompt's token ids (rendered off the event loop); ``close_thought``: a thinking model's thought
@@ -229,11 +230,12 @@ class OpenAIServing:
                       ) -> tuple[OpenAIResponse, RequestStream, list[str]]:
         """The engine's requests for ``prompts`` sent: their response shapes, their stream and ids (``thought``: how a
         thinking model's chat reply starts; ``thought_budget``: its most tokens, for one sample without
-        log-probabilities)."""
+        log-probabilities; 0: the prompt closed it, and a grammar holds the whole reply)."""
         if req.stop and self.tokenizer is None:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
-        grammar = await asyncio.to_thread(self._grammar, req, thought) if req.constrained else None
+        free = thought if thought_budget != 0 else None  # the thought a grammar lets run before it
+        grammar = await asyncio.to_thread(self._grammar, req, free) if req.constrained else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = []
         for i, ids in enumerate(prompts):
@@ -255,7 +257,7 @@ class OpenAIServing:
                 requests.append((f"{rid}-{i * req.n + j}", ids, params))
         response = OpenAIResponse(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo,
                                   tools, self._token_text, thought)
-        budgeted = thought_budget is not None and thought is not None
+        budgeted = bool(thought_budget) and thought is not None
         if budgeted:  # the continuation's grammar holds the answer alone
             (request,) = requests
             assert request[2].logprobs is None and not request[2].min_tokens, "a budget's cut keeps neither"
