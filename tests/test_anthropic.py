@@ -7,13 +7,15 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from k2_chat import ANSWER_TEXT, CALLS, GREETING, GREETING_TEXT, THOUGHT, THOUGHT_TEXT, make_k2_chat_checkpoint
 
 from kdray import LLM
 from kdray.serve.anthropic import AnthropicServing, _Reply, error_body
 from kdray.serve.async_engine import AsyncEngine
 from kdray.serve.metrics import Metrics
-from kdray.serve.protocol import APIError
+from kdray.serve.protocol import APIError, parse_json
 from kdray.serve.serving import OpenAIServing
 
 USER = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
@@ -51,8 +53,8 @@ def events(serving: AnthropicServing, body: dict) -> list[dict]:
                                                          "stream": True})]
 
     out = []
-    for event in asyncio.run(asyncio.wait_for(go(), 120)):
-        name, data = event.removesuffix("\n\n").split("\n")
+    for sent in asyncio.run(asyncio.wait_for(go(), 120)):
+        name, data = sent.removesuffix("\n\n").split("\n")
         out.append(json.loads(data.removeprefix("data: ")))
         assert name == f"event: {out[-1]['type']}"
     return out
@@ -251,3 +253,77 @@ def test_a_call_without_an_object_of_arguments_is_text_not_a_tool_use():
     assert msg["content"] == [{"type": "text", "text": "f [1"}] and msg["stop_reason"] == "end_turn"
     assert msg["usage"] == {"input_tokens": 1, "output_tokens": 3, "cache_read_input_tokens": 4,
                             "cache_creation_input_tokens": 0}
+
+
+# ---- property-based: no Messages request can hurt the server ---------------------------------------------
+
+EXTREME = [-(2**63), -1, 0, 2**31, 2**63, 10**100]
+JUNK = st.one_of(st.none(), st.booleans(), st.text(max_size=6), st.floats(allow_nan=False), st.sampled_from(EXTREME),
+                 st.sampled_from(["\ud800", ""]), st.lists(st.integers(-2, 2), max_size=2),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=12)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["tool_use", "tool_result", "thinking", "image", "document"])},
+                          optional={"id": st.text(max_size=4), "tool_use_id": st.text(max_size=4),
+                                    "name": st.text(max_size=4), "input": st.one_of(st.just({}), JUNK),
+                                    "thinking": st.text(max_size=8), "content": st.one_of(st.text(max_size=8), JUNK)}),
+    JUNK)
+MESSAGE = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system"]), JUNK),
+                                 "content": st.one_of(st.text(max_size=12), st.lists(BLOCK, max_size=3), JUNK)})
+FIELDS = {
+    "max_tokens": st.one_of(st.integers(1, 3), st.sampled_from(EXTREME), JUNK),
+    "temperature": st.one_of(st.floats(0, 1.5), JUNK), "top_p": st.one_of(st.floats(0, 1), JUNK),
+    "top_k": st.one_of(st.integers(-1, 5), st.sampled_from(EXTREME), JUNK), "stream": st.one_of(st.booleans(), JUNK),
+    "stop_sequences": st.one_of(st.lists(st.text(max_size=3), max_size=3), JUNK),
+    "system": st.one_of(st.text(max_size=12), st.lists(BLOCK, max_size=2), JUNK),
+    "tools": st.one_of(st.just(TOOLS), st.lists(st.fixed_dictionaries({"name": st.text(max_size=4),
+                                                                         "input_schema": st.one_of(st.just({}), JUNK),
+                                                                         "type": st.sampled_from(["custom", "bash"])}),
+                                                max_size=2), JUNK),
+    "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"]),
+                                                    "name": st.sampled_from(["get_time", "nope"])}), JUNK),
+    "thinking": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]),
+                                                 "budget_tokens": st.one_of(st.integers(0, 3), JUNK)}), JUNK),
+    "metadata": st.one_of(st.fixed_dictionaries({"user_id": st.text(max_size=4)}), JUNK),
+    "messages": st.one_of(st.lists(MESSAGE, max_size=3), JUNK),
+}
+
+
+@st.composite
+def fuzzed_messages(draw) -> tuple[bool, dict]:
+    """(on the thinking model, a request body): a valid request with some fields replaced by odd or malformed
+    values."""
+    body = {"model": "k2", "max_tokens": 2, "messages": USER, "stream": draw(st.booleans())}
+    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=3, unique=True)):
+        body[name] = draw(FIELDS[name])
+    return draw(st.booleans()), body
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=fuzzed_messages())
+def test_no_messages_request_hurts_the_server(plain, thinking, case):
+    """Each is a Message, a stream without an error event, or a 400 in Anthropic's shape; a normal request after it
+    is served."""
+    on_thinking, body = case
+    serving = thinking if on_thinking else plain
+
+    async def answer():
+        try:
+            reply = await serving.messages(parse_json(json.dumps(body).encode()))
+        except APIError as e:
+            return e
+        return reply if isinstance(reply, dict) else [e async for e in reply]
+
+    got = asyncio.run(asyncio.wait_for(answer(), 120))
+    if isinstance(got, APIError):
+        event(f"400: {got.message.split(':')[0]}")
+        assert got.status == 400 and error_body(got)["error"]["type"] == "invalid_request_error", got.message
+    elif isinstance(got, list):
+        event("streamed")
+        assert got[-1].startswith("event: message_stop") and not any(e.startswith("event: error") for e in got)
+    else:
+        event("message")
+        assert got["type"] == "message" and got["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence",
+                                                                   "tool_use")
+    assert message(serving, {"max_tokens": 1})["usage"]["output_tokens"] == 1
