@@ -153,9 +153,10 @@ class ToolChoice(Strict):
 
     @model_validator(mode="after")
     def _named(self) -> ToolChoice:
-        if (self.name is None) == (self.type == "tool"):
-            raise FieldError(("name",), "names the tool when type is 'tool', and only then")
-        return self
+        if self.type == "none" and self.disable_parallel_tool_use:
+            raise FieldError(("disable_parallel_tool_use",), "applies where calls may be made; leave it out with "
+                                                             "'none'")
+        return _needed_with(self, "name", "tool")
 
 
 class ThinkingConfig(Strict):
@@ -164,9 +165,14 @@ class ThinkingConfig(Strict):
 
     @model_validator(mode="after")
     def _budget(self) -> ThinkingConfig:
-        if (self.budget_tokens is None) == (self.type == "enabled"):
-            raise FieldError(("budget_tokens",), "is needed when type is 'enabled', and only then")
-        return self
+        return _needed_with(self, "budget_tokens", "enabled")
+
+
+def _needed_with(model: Strict, field: str, kind: str) -> Strict:
+    """``model`` if its ``field`` is given exactly when its ``type`` is ``kind``."""
+    if (getattr(model, field) is None) == (model.type == kind):
+        raise FieldError((field,), f"is needed when type is '{kind}', and only then")
+    return model
 
 
 class Metadata(Strict):
@@ -250,13 +256,6 @@ class MessagesRequest(MessagesPrompt):
             raise FieldError(("thinking", "budget_tokens"), f"must be less than max_tokens ({self.max_tokens}), which "
                                                             "counts the thought")
         return self
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _parallel_calls_need_a_choice(cls, v: ToolChoice | None) -> ToolChoice | None:
-        if v is not None and v.type == "none" and v.disable_parallel_tool_use:
-            raise ValueError("disable_parallel_tool_use applies where calls may be made; leave it out with 'none'")
-        return v
 
     def chat_request(self, thought_budget: int | None) -> ChatCompletionRequest:
         """The chat completion request of this one (``thought_budget``: its ``thinking_token_budget``)."""
