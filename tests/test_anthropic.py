@@ -4,6 +4,7 @@ streamed (the events a client assembles equal the whole Message), token counts, 
 the field for each request kdray cannot serve as asked."""
 import asyncio
 import json
+import typing
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from k2_chat import ANSWER_TEXT, CALLS, GREETING, GREETING_TEXT, THOUGHT, THOUGHT_TEXT, make_k2_chat_checkpoint
 
 from kdray import LLM
-from kdray.serve.anthropic import AnthropicServing, _Reply, error_body
+from kdray.serve.anthropic import AnthropicServing, MessagesRequest, _Reply, error_body
 from kdray.serve.async_engine import AsyncEngine
 from kdray.serve.metrics import Metrics
 from kdray.serve.protocol import APIError, parse_json
@@ -22,6 +23,7 @@ USER = [{"role": "user", "content": "What is the weather in Paris, and the time?
 TOOLS = [{"name": name, "description": f"The {name[4:]} of a place",
           "input_schema": {"type": "object", "properties": {k: {"type": "string"} for k in args}}}
          for name, args, _ in CALLS]
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
 DELTA_KEYS = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
 TOOL_USES = [{"type": "tool_use", "id": call_id, "name": name, "input": args} for name, args, call_id in CALLS]
 
@@ -208,6 +210,12 @@ def test_thinking_blocks_whole_and_streamed(thinking):
     ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
      "system[0].cache_control.ttl"),
     ({"temperature": 1.5}, "temperature"),
+    ({"thinking": {"type": "between_tools"}}, "thinking.type"),
+    ({"thinking": {"type": "disabled", "display": "omitted"}}, "thinking.display"),
+    ({"output_config": {"effort": "low"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}, "tools": TOOLS,
+      "tool_choice": {"type": "any"}}, "output_config.format"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "5m"}}, "cache_control.ttl"),
     ({"service_tier": "auto"}, "service_tier"),
     ({"max_tokens": None}, "max_tokens"),
 ])
@@ -217,6 +225,26 @@ def test_what_kdray_cannot_serve_as_asked_is_a_400_naming_the_field(plain, body,
     assert e.value.status == 400 and e.value.message.startswith(f"{field}:"), e.value.message
     assert error_body(e.value) == {"type": "error", "error": {"type": "invalid_request_error",
                                                               "message": e.value.message}}
+
+
+def test_thinking_adaptive_and_display(thinking):
+    """``adaptive`` lets the thought run as the model does; ``display: omitted`` leaves it out of the reply (it is
+    still generated: the output tokens count it), ``summarized`` shows it whole."""
+    shown = [{"type": "thinking", "thinking": THOUGHT_TEXT, "signature": ""}, {"type": "text", "text": GREETING_TEXT}]
+    assert both(thinking, {"thinking": {"type": "adaptive"}})["content"] == shown
+    assert both(thinking, {"thinking": {"type": "adaptive", "display": "summarized"}})["content"] == shown
+    omitted = both(thinking, {"thinking": {"type": "adaptive", "display": "omitted"}})
+    assert omitted["content"] == shown[1:] and omitted["usage"]["output_tokens"] == 2 + len(THOUGHT) + len(GREETING)
+
+
+def test_structured_output_holds_the_text_to_its_schema(plain, thinking):
+    for serving in (plain, thinking):  # the thinking model's thought runs free before the JSON
+        msg = both(serving, {"output_config": {"format": {"type": "json_schema", "schema": CITY}}, "max_tokens": 40,
+                             "temperature": 0})
+        assert json.loads(msg["content"][-1]["text"]) == {"city": "Paris"} and msg["stop_reason"] == "end_turn"
+    closed = both(thinking, {"output_config": {"format": {"type": "json_schema", "schema": CITY}}, "max_tokens": 40,
+                             "temperature": 0, "thinking": {"type": "disabled"}})
+    assert [b["type"] for b in closed["content"]] == ["text"]
 
 
 @pytest.mark.parametrize("budget", [1, 2])
@@ -328,3 +356,83 @@ def test_no_messages_request_hurts_the_server(plain, thinking, case):
         assert got["type"] == "message" and got["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence",
                                                                    "tool_use")
     assert message(serving, {"max_tokens": 1})["usage"]["output_tokens"] == 1
+
+
+# ---- every field has an effect or answers 400 naming it -----------------------------------------------------------
+
+def _sampling(field: str, value) -> tuple:
+    """A sampling field's effect: the engine request's parameters carry it (tests/test_serving_sampling.py shows
+    what each does to the tokens)."""
+    return "sampled", {field: value}, lambda params: getattr(params, field) == value
+
+
+def _differs(key):
+    return lambda a, b: key(a) != key(b)
+
+
+FIELD_EFFECTS = {  # (kind, the field's value(s), how its effect shows against the base request's answer)
+    "model": ("refused", {"model": "other"}),
+    "max_tokens": ("changes", {"max_tokens": 2}, lambda a, b: b["usage"]["output_tokens"] == 2 != a["usage"][
+        "output_tokens"]),
+    "messages": ("changes", {"messages": [{"role": "user", "content": "Hi there"}]}, _differs(prompt_tokens)),
+    "system": ("changes", {"system": "Be brief."}, _differs(prompt_tokens)),
+    "stop_sequences": ("changes", {"stop_sequences": [" served"]}, lambda a, b: b["stop_reason"] == "stop_sequence"),
+    "stream": ("changes", {"stream": True}, lambda a, b: isinstance(b, list) and assembled(b)["content"] ==
+               a["content"]),
+    "temperature": _sampling("temperature", 0.0), "top_p": _sampling("top_p", 0.5), "top_k": _sampling("top_k", 3),
+    "tools": ("changes", {"tools": TOOLS}, lambda a, b: b["content"] == TOOL_USES),
+    "tool_choice": ("changes", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_time"}},
+                    lambda a, b: b["content"] == TOOL_USES[1:]),
+    "output_config": ("changes", {"output_config": {"format": {"type": "json_schema", "schema": CITY}}},
+                      lambda a, b: json.loads(b["content"][0]["text"]) == {"city": "Paris"}),
+    # this model does not think: a budget is refused (test_thinking_* above show thinking on one that does)
+    "thinking": ("refused", {"thinking": {"type": "enabled", "budget_tokens": 8}}),
+    # met by the prefix cache, which keeps every prompt's prefix anyway: the reply is the one without it
+    "cache_control": ("changes", {"cache_control": {"type": "ephemeral"}}, lambda a, b: b["content"] == a["content"]),
+    "metadata": ("bookkeeping", {"metadata": {"user_id": "u-1"}}),
+    **{name: ("refused", {name: value}) for name, value in {
+        "container": "c", "diagnostics": {"cache_miss_reason": True}, "inference_geo": "us", "service_tier": "auto",
+        "speed": "fast", "user_profile_id": "p", "workspace_id": "w"}.items()},
+}
+
+
+def test_every_field_is_classified():
+    from anthropic.types import message_create_params
+
+    sdk = set(typing.get_type_hints(message_create_params.MessageCreateParamsStreaming))
+    assert set(FIELD_EFFECTS) == sdk | set(MessagesRequest.model_fields)
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_EFFECTS))
+def test_a_field_has_an_effect_or_answers_400_naming_it(plain, name):
+    kind, fields, *check = FIELD_EFFECTS[name]
+    base = {"max_tokens": 64, "temperature": 0}
+    if kind == "refused":
+        with pytest.raises(APIError) as e:
+            message(plain, {**base, **fields})
+        assert e.value.status == 400 and e.value.param.split(".")[0] == name, e.value.message
+    elif kind == "sampled":
+        sent = []
+        generate = plain.openai.engine.generate
+
+        async def spy(requests):
+            sent.extend(params for _, _, params in requests)
+            return await generate(requests)
+
+        plain.openai.engine.generate = spy
+        try:
+            message(plain, fields)
+        finally:
+            del plain.openai.engine.generate
+        assert check[0](sent[0])
+    else:
+        before = {**base, **{k: v for k, v in fields.items() if k == "tools"}}
+        a = message(plain, before)
+        if "stream" in fields:
+            b = events(plain, before)
+        else:
+            b = message(plain, {**base, **fields})
+        if kind == "changes":
+            assert check[0](a, b), (a, b)
+        else:
+            assert b["content"] == a["content"]

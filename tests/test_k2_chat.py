@@ -3,6 +3,7 @@ end to end on the CPU and driven through the ``openai`` client: chat, tool calls
 what the request asks of the template, vLLM's /tokenize, /detokenize and /version, and Anthropic's /v1/messages
 through the ``anthropic`` client."""
 import json
+import time
 
 import anthropic
 import openai
@@ -129,3 +130,28 @@ def test_anthropic_messages_through_the_official_client(k2_chat):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
                                                        "message": e.value.body["error"]["message"]}}
+
+
+def test_a_batch_of_anthropic_messages(k2_chat):
+    """A batch job's /v1/messages lines are answered as /v1/messages answers: a Message, or an Anthropic-shaped 400
+    for the bad line alone."""
+    c = client(k2_chat)
+    bodies = {"greet": {"model": MODEL, "max_tokens": 64, "messages": USER},
+              "image": {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": [
+                  {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}}
+    lines = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/messages", "body": body}) + "\n"
+                    for cid, body in bodies.items())
+    file = c.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
+    batch = c.batches.create(input_file_id=file.id, endpoint="/v1/messages", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, "the batch did not finish"
+        time.sleep(0.1)
+        batch = c.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    out = {json.loads(line)["custom_id"]: json.loads(line)["response"]
+           for line in c.files.content(batch.output_file_id).text.splitlines()}
+    assert out["greet"]["status_code"] == 200
+    assert out["greet"]["body"]["content"] == [{"type": "text", "text": GREETING_TEXT}]
+    assert out["image"]["status_code"] == 400
+    assert out["image"]["body"]["error"]["type"] == "invalid_request_error" and out["image"]["body"]["type"] == "error"

@@ -123,6 +123,7 @@ FIELDS = {
                                          seed=1),
         "continue_final_message": changes(True, prompt_tokens_differ, "random", continue_final_message=False),
         "include_reasoning": refused(False),  # this model does not think (test_reasoning shows one that does)
+        "thinking_token_budget": refused(8),  # the same
         **{name: refused(value) for name, value in {
             "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text"], "function_call": "auto",
             "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},

@@ -8,8 +8,9 @@ Anthropic's stream of events. Errors take Anthropic's shape: ``{"type": "error",
 
 What kdray does with Anthropic-only fields: ``cache_control`` marks are met by the automatic prefix cache, which keeps
 every prompt's prefix while its pages are not needed (a ``ttl`` is refused: nothing is kept for a fixed time);
-``thinking`` ``disabled`` closes a thinking model's thought in the prompt, so it answers at once, and ``enabled`` cuts
-the thought after ``budget_tokens`` (:class:`~kdray.serve.thought_budget.BudgetedThought`); a thought is not
+``thinking`` ``disabled`` closes a thinking model's thought in the prompt, so it answers at once, ``enabled`` cuts
+the thought after ``budget_tokens`` (:class:`~kdray.serve.thought_budget.BudgetedThought`), ``adaptive`` lets it run
+as the model does, ``display: omitted`` leaves it out of the reply (``summarized`` shows it whole); a thought is not
 signed (``signature`` is empty, and one sent back is not checked); a ``tool_result`` with ``is_error`` reaches the
 template as ``Error: <content>``.
 """
@@ -160,12 +161,38 @@ class ToolChoice(Strict):
 
 
 class ThinkingConfig(Strict):
-    type: Literal["enabled", "disabled"]
+    """``enabled``: a thought of at most ``budget_tokens``; ``adaptive``: as long as the model thinks; ``disabled``:
+    none. ``display``: ``summarized`` shows the thought (whole: kdray does not summarize), ``omitted`` leaves it
+    out of the reply."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)  # the thought's most tokens (Anthropic: >= 1024)
+    display: Literal["summarized", "omitted"] | None = None
 
     @model_validator(mode="after")
     def _budget(self) -> ThinkingConfig:
+        if self.type == "disabled" and self.display is not None:
+            raise FieldError(("display",), "applies to a thought; leave it out with 'disabled'")
         return _needed_with(self, "budget_tokens", "enabled")
+
+
+class JSONOutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    """Structured outputs: the reply's text follows ``format``'s JSON schema (constrained decoding)."""
+
+    format: JSONOutputFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_effort(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "effort" in data:
+            raise FieldError(("effort",), "kdray does not scale a model's effort; leave it out (a thinking model's "
+                                          "thought can be capped with thinking.budget_tokens)")
+        return data
 
 
 def _needed_with(model: Strict, field: str, kind: str) -> Strict:
@@ -188,6 +215,8 @@ class MessagesPrompt(Strict):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None  # the reply's format: no effect on the prompt's tokens
+    cache_control: CacheControl | None = None  # on the whole prompt: met by the prefix cache, as a block's
 
     _system = field_validator("system", mode="before")(_text_blocks)
 
@@ -200,6 +229,9 @@ class MessagesPrompt(Strict):
         if choice is not None and choice.type == "tool" and choice.name not in names:
             raise FieldError(("tool_choice",), f"names tool '{choice.name}', which tools do not declare (they "
                                                f"declare {names})")
+        if self.output_config and self.output_config.format and choice is not None and choice.type in ("any", "tool"):
+            raise FieldError(("output_config", "format"), f"does not apply to a reply that tool_choice '{choice.type}'"
+                                                          " makes tool calls; leave one of them out")
         last = self.messages[-1]
         if last.role == "assistant" and (last.blocks(ToolUseBlock) or last.blocks(ThinkingBlock)):
             raise FieldError(("messages", len(self.messages) - 1), "a final assistant message is the start of the "
@@ -234,6 +266,9 @@ class MessagesPrompt(Strict):
             fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
                 choice.type, {"type": "function", "function": {"name": choice.name}})
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        if self.output_config is not None and self.output_config.format is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": self.output_config.format.schema_, "strict": True}}
         return fields
 
 
@@ -257,12 +292,14 @@ class MessagesRequest(MessagesPrompt):
                                                             "counts the thought")
         return self
 
-    def chat_request(self, thought_budget: int | None) -> ChatCompletionRequest:
-        """The chat completion request of this one (``thought_budget``: its ``thinking_token_budget``)."""
+    def chat_request(self, thinks: bool, thought_budget: int | None) -> ChatCompletionRequest:
+        """The chat completion request of this one, for a model that ``thinks`` or not (``thought_budget``: its
+        ``thinking_token_budget``)."""
+        omitted = thinks and self.thinking is not None and self.thinking.display == "omitted"
         return validate(ChatCompletionRequest, {
             **self.chat_fields(), "max_tokens": self.max_tokens, "stop": self.stop_sequences, "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "thinking_token_budget": thought_budget})
+            "thinking_token_budget": thought_budget, "include_reasoning": not omitted})
 
 
 class AnthropicServing:
@@ -275,7 +312,8 @@ class AnthropicServing:
         """``POST /v1/messages``: a Message, or its events when ``stream`` is true."""
         arrived = time.perf_counter()
         req = validate(MessagesRequest, data, BLOCK_TYPES)
-        response, stream, ids = await self.openai.submit_chat(req.chat_request(self._budget(req)))
+        chat = req.chat_request(self.openai.reasoning is not None, self._budget(req))
+        response, stream, ids = await self.openai.submit_chat(chat)
         reply = _Reply(response, f"msg_{response.rid.split('-', 1)[1]}")
         if req.stream:
             return reply.events(stream, self.openai.first_token(arrived))
@@ -290,14 +328,14 @@ class AnthropicServing:
 
     def _budget(self, req: MessagesPrompt) -> int | None:
         """The thinking model's thought budget the request's ``thinking`` sets: ``budget_tokens`` (``enabled``), 0
-        (``disabled``: closed in the prompt), or none."""
+        (``disabled``: closed in the prompt), or none (``adaptive``: the model's own)."""
         thinking = req.thinking
-        if thinking is None or self.openai.reasoning is None and thinking.type == "disabled":
-            return None
+        if thinking is None or self.openai.reasoning is None and thinking.type != "enabled":
+            return None  # adaptive and disabled: what a model that does not think does
         if self.openai.reasoning is None:
             raise APIError(400, f"thinking: model '{self.openai.model_name}' does not think (its chat template writes "
                            "no <think>); leave thinking out", param="thinking")
-        return thinking.budget_tokens or 0
+        return {"enabled": thinking.budget_tokens, "adaptive": None, "disabled": 0}[thinking.type]
 
 
 class _Reply:

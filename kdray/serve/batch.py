@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kdray.serve.protocol import APIError, parse_json
 
-BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+BATCH_URLS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")  # the last: Anthropic bodies and errors
 MAX_LINES = 50_000
 SHOWN_PROBLEMS = 20  # invalid lines listed in one error message (all of them go to the error file)
 

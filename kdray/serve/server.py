@@ -37,7 +37,7 @@ from kdray.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from kdray.serve.batch_store import MAX_FILES_LISTED, MAX_LISTED, BatchStore
 from kdray.serve.metrics import Metrics
 from kdray.serve.protocol import APIError, parse_json
-from kdray.serve.serving import OpenAIServing, api_error
+from kdray.serve.serving import OpenAIServing, api_error, respond
 
 logger = logging.getLogger("kdray.serve")
 # The docs pages load scripts from a CDN and cannot send the API key: only the schema is served, behind the key.
@@ -178,6 +178,10 @@ class KdrayServer:
         self.engine = AsyncEngine(self.llm.engine, args.max_num_seqs, args.max_queue, self.metrics)
         self.openai = OpenAIServing(self.engine, name)
         self.anthropic = AnthropicServing(self.openai)
+        # what a batch line's url runs, and the shape of its errors
+        self.batch_routes = {"/v1/completions": (self.openai.completions, APIError.body),
+                             "/v1/chat/completions": (self.openai.chat, APIError.body),
+                             "/v1/messages": (self.anthropic.messages, error_body)}
         self.api_key = args.api_key
         self.batches = BatchStore(args.batch_dir, self._send_batch_request, args.max_num_seqs, args.max_file_bytes,
                                   args.batch_retention_days)
@@ -206,10 +210,10 @@ class KdrayServer:
     async def _send_batch_request(self, url: str, body: dict) -> tuple[int, dict]:
         """A batch line's answer. A full queue waits; an engine failure is retried, then recorded as the line's
         error like any other; a dead engine stops the job (another replica resumes it)."""
-        tries = 0
+        (handler, shape), tries = self.batch_routes[url], 0
         while True:
             try:
-                return await self.openai.respond(url, body)
+                return await respond(handler, body, shape)
             except QueueFull as e:
                 await asyncio.sleep(e.retry_after)
             except EngineDead:
@@ -217,7 +221,7 @@ class KdrayServer:
             except Exception as e:  # noqa: BLE001 - recorded as the line's error, like an HTTP answer
                 err, tries = api_error(e, url), tries + 1
                 if err.status != 503 or tries == BATCH_LINE_TRIES:
-                    return err.status, err.body()
+                    return err.status, shape(err)
 
     async def _handle(self, request: Request, route: str, handler: Callable[[], Any], public: bool = False,
                       anthropic: bool = False) -> Response:

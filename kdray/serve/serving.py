@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from kdray.actors.channel import WorkerFailure
@@ -129,17 +129,6 @@ class OpenAIServing:
         if any(t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens: ids must lie in [0, {vocab})", param="tokens")
         return {"prompt": await asyncio.to_thread(self._decode, req.tokens, "tokens")}
-
-    async def respond(self, url: str, body: dict) -> tuple[int, dict]:
-        """One non-streaming request as ``(status, body)``: what a batch job records per line."""
-        handler = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat}[url]
-        if body.get("stream"):
-            err = APIError(400, "stream: batch requests cannot stream; leave it out", param="stream")
-            return err.status, err.body()
-        try:
-            return 200, await handler(body)
-        except APIError as e:
-            return e.status, e.body()
 
     def _check_size(self, prompts: int, n: int):
         if prompts * n > self.engine.capacity:
@@ -285,6 +274,19 @@ class OpenAIServing:
         """What a stream calls as its first token goes out: the server-side time to first token is observed."""
         ttft = self.engine.metrics.server_ttft
         return lambda: ttft.observe(time.perf_counter() - arrived)
+
+
+async def respond(handler: Callable[[dict], Awaitable[dict]], body: dict,
+                  error_body: Callable[[APIError], dict] = APIError.body) -> tuple[int, dict]:
+    """One request answered whole as ``(status, body)`` (what a batch job records per line): a 4xx's body in
+    ``error_body``'s shape (its API's)."""
+    if body.get("stream"):
+        err = APIError(400, "stream: batch requests cannot stream; leave it out", param="stream")
+        return err.status, error_body(err)
+    try:
+        return 200, await handler(body)
+    except APIError as e:
+        return e.status, error_body(e)
 
 
 async def collect(stream: RequestStream, ids: list[str]) -> list[RequestOutput]:
