@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
 
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible Serve app")
+    srv = sub.add_parser("serve", help="run the Serve app (OpenAI and Anthropic APIs)")
     srv.add_argument("--host", default="127.0.0.1",
                      help="where Serve listens (default: this machine only; 0.0.0.0 for every interface)")
     srv.add_argument("--port", type=int, default=8000)

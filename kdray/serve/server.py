@@ -41,7 +41,7 @@ from kdray.serve.serving import OpenAIServing, api_error, respond
 
 logger = logging.getLogger("kdray.serve")
 # The docs pages load scripts from a CDN and cannot send the API key: only the schema is served, behind the key.
-api = FastAPI(title="kdray", description="OpenAI-compatible API over the kdray engine", docs_url=None,
+api = FastAPI(title="kdray", description="OpenAI- and Anthropic-compatible API over the kdray engine", docs_url=None,
               redoc_url=None, openapi_url=None)
 BATCH_LINE_TRIES = 3  # a batch line that meets a failing engine runs this many times before it is recorded
 REPLICA_CPUS = 1.0  # a replica whose engine runs in its own process
