@@ -44,18 +44,23 @@ def error_body(err: APIError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
+def _refusing(key: str, why: str):
+    """A model's check that refuses ``key``, an Anthropic field kdray does not serve, saying ``why``."""
+    def check(cls, data: Any) -> Any:
+        if isinstance(data, dict) and key in data:
+            raise FieldError((key,), f"{why}; leave {key} out")
+        return data
+
+    return model_validator(mode="before")(classmethod(check))
+
+
 class CacheControl(Strict):
     """A prompt-caching mark: met by the automatic prefix cache."""
 
     type: Literal["ephemeral"]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_ttl(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "ttl" in data:
-            raise FieldError(("ttl",), "kdray's prefix cache keeps a prefix while its pages are not needed, not for "
-                                       "a fixed time; leave ttl out")
-        return data
+    _no_ttl = _refusing("ttl", "kdray's prefix cache keeps a prefix while its pages are not needed, not for a fixed "
+                               "time")
 
 
 class TextBlock(Strict):
@@ -186,13 +191,8 @@ class OutputConfig(Strict):
 
     format: JSONOutputFormat | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_effort(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "effort" in data:
-            raise FieldError(("effort",), "kdray does not scale a model's effort; leave it out (a thinking model's "
-                                          "thought can be capped with thinking.budget_tokens)")
-        return data
+    _no_effort = _refusing("effort", "kdray does not scale a model's effort (a thinking model's thought can be capped "
+                                     "with thinking.budget_tokens)")
 
 
 def _needed_with(model: Strict, field: str, kind: str) -> Strict:
