@@ -178,10 +178,12 @@ class OpenAIServing:
                            "out", param=field, code="invalid_value")
         return self.tokenizer.encode(text)
 
-    def _grammar(self, req: GenerationRequest, thought: _Thought | None) -> StructuredOutputsParams:
-        """The grammar a constrained request's reply follows (``response_format``, or ``tool_choice`` forcing a call
-        in the model's tool-call format; after a thinking model's reasoning), compiled here (run it off the event
-        loop): one that does not compile is a 400 naming its field, and the engine finds it compiled."""
+    def _grammars(self, req: GenerationRequest, thought: _Thought | None
+                  ) -> tuple[StructuredOutputsParams, StructuredOutputsParams]:
+        """A constrained request's grammars: its answer's (``response_format``, or ``tool_choice`` forcing a call in
+        the model's tool-call format), and the reply's (that answer after a thinking model's reasoning), compiled
+        here (run it off the event loop): one that does not compile is a 400 naming its field, and the engine finds
+        them compiled."""
         if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
             functions, several = req.forced_calls()
             grammar = StructuredOutputsParams(structural_tag=self.tool_calls.grammar(
@@ -193,10 +195,11 @@ class OpenAIServing:
             self.engine.engine.grammars.compile(grammar)
         except ValueError as e:
             raise APIError(400, f"{field}: {what}{e}", param=field, code="invalid_value") from None
-        if thought is not None:
-            grammar = thought.format.grammar(grammar, thought.opened)
-            self.engine.engine.grammars.compile(grammar)
-        return grammar
+        if thought is None:
+            return grammar, grammar
+        reply = thought.format.grammar(grammar, thought.opened)
+        self.engine.engine.grammars.compile(reply)
+        return grammar, reply
 
     def _max_tokens(self, req: GenerationRequest, prompt_len: int, chat: bool) -> int:
         field = "messages" if chat else "prompt"
@@ -224,7 +227,9 @@ class OpenAIServing:
             raise APIError(400, f"stop: model '{self.model_name}' has no tokenizer, so stop strings cannot match; "
                            "leave the field out", param="stop")
         free = thought if thought_budget != 0 else None  # the thought a grammar lets run before it
-        grammar = await asyncio.to_thread(self._grammar, req, free) if req.constrained else None
+        answer = grammar = None
+        if req.constrained:
+            answer, grammar = await asyncio.to_thread(self._grammars, req, free)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = []
         for i, ids in enumerate(prompts):
@@ -247,10 +252,9 @@ class OpenAIServing:
         response = OpenAIResponse(rid, self.model_name, chat, req, len(requests), sum(map(len, prompts)), echo,
                                   tools, self._token_text, thought)
         budgeted = bool(thought_budget) and thought is not None
-        if budgeted:  # the continuation's grammar holds the answer alone
+        if budgeted:
             (request,) = requests
             assert request[2].logprobs is None and not request[2].min_tokens, "a budget's cut keeps neither"
-            answer = await asyncio.to_thread(self._grammar, req, None) if req.constrained else None
         try:
             stream = await self.engine.generate(requests)
         except ValueError as e:  # the engine refused the prompt, or a field ("<field>: why")
@@ -258,7 +262,7 @@ class OpenAIServing:
             if name in type(req).model_fields:
                 raise APIError(400, str(e), param=name, code="invalid_value") from None
             raise APIError(400, str(e), code="invalid_prompt") from None
-        if budgeted:
+        if budgeted:  # the continuation's grammar holds the answer alone
             stream = BudgetedThought(self.engine.generate, stream, request, thought.format, thought.opened,
                                      thought_budget, replace(request[2], structured_outputs=answer))
         return response, stream, [r[0] for r in requests]
