@@ -24,7 +24,7 @@ INGRESS_ENV = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}  # --
 BENCHMARKS = {"kernels": "bench_kernels.py", "e2e": "e2e.py", "control": "control_path.py",
               "serve-load": "serve_load.py", "reliability": "reliability.py", "k2-step": "k2_step.py",
               "k2-prefill": "k2_prefill.py", "drafter-tau": "drafter_tau.py",
-              "ttft-engine": "ttft_engine.py"}  # name -> benchmarks/ file
+              "ttft-engine": "ttft_engine.py", "all-reduce": "all_reduce.py"}  # name -> benchmarks/ file
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, cls, title: str):

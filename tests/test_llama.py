@@ -14,7 +14,7 @@ from kdray.config import LlamaConfig, load_model_config
 from kdray.model.batch import ForwardBatch, causal_tree_mask, pack_bits
 from kdray.model.llama import LlamaModel
 from kdray.model.loader import load_target
-from kdray.model.parallel import SingleGroup
+from kdray.model.parallel import Collectives, SingleGroup
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,7 +142,7 @@ def test_verify_tree_branches(tiny):
     assert rel_err(logits[2], hf_forward(hf, prefix + [root, right]).logits[0, -1]) < 1e-4
 
 
-class ThreadGroup:
+class ThreadGroup(Collectives):
     """One rank of an in-process tensor-parallel group of threads; collectives meet at a barrier."""
 
     def __init__(self, rank: int, slots: list, barrier: threading.Barrier):

@@ -1,18 +1,23 @@
 """Groups of actors that exchange tensors: gloo over ``torch.distributed`` (CPU) and NCCL through CuPy (GPU).
 
 Both have the shape of :data:`kdray.model.parallel.SINGLE` (``rank``, ``size``, ``all_reduce``,
-``all_gather``), so the model layers take them as their tensor-parallel group, plus ``broadcast``,
-``send`` and ``recv`` for the drafter <-> shard link. Ranks meet at a ``TCPStore`` that the engine
-hosts: each rank announces itself and waits (bounded) for the others, so a timeout names the ranks that
-never came; then the group is built and warmed with one all-reduce.
+``all_gather``, ``all_reduce_add_rmsnorm``), so the model layers take them as their tensor-parallel group,
+plus ``broadcast``, ``send`` and ``recv`` for the drafter <-> shard link. An NCCL group made with ``peer``
+(backend ``nccl-peer``) sends small all-reduces through the one-shot peer kernel (``peer_memory.py``).
+Ranks meet at a ``TCPStore`` that the engine hosts: each rank announces itself and waits (bounded) for
+the others, so a timeout names the ranks that never came; then the group is built and warmed with one
+all-reduce.
 """
 from __future__ import annotations
 
+import functools
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from kdray.model.parallel import Collectives
 
 JOIN_POLL_S = 0.02
 
@@ -48,7 +53,7 @@ def join(store: dist.Store, group: str, rank: int, size: int, timeout_s: float):
         time.sleep(JOIN_POLL_S)
 
 
-class GlooGroup:
+class GlooGroup(Collectives):
     """A gloo process group (``torch.distributed``) of its own, not the process-global default group.
 
     Tensors on a GPU are staged through host memory, which is how a drafter that shares its GPU with a
@@ -96,14 +101,16 @@ class GlooGroup:
         return self._staged(_contiguous(t), lambda x: self._pg.recv([x], src, 0).wait())
 
 
-class NcclGroup:
+class NcclGroup(Collectives):
     """An NCCL communicator through ``cupy.cuda.nccl``; every op is enqueued on torch's current stream.
 
     Rank 0 makes the unique id and publishes it through the engine's store; ``ncclCommInitRank``
     starts only once every rank has announced itself, so a missing rank is named instead of hanging.
+    With ``peer``, all-reduces that fit the peer buffers (a few tokens' rows) run the one-shot peer kernel,
+    the layers' fused with the residual add and RMSNorm after them; larger ones run NCCL.
     """
 
-    def __init__(self, store: dist.Store, name: str, rank: int, size: int, timeout_s: float):
+    def __init__(self, store: dist.Store, name: str, rank: int, size: int, timeout_s: float, peer: bool = False):
         from cupy.cuda import nccl
 
         self._nccl, self.name, self.rank, self.size = nccl, name, rank, size
@@ -121,6 +128,11 @@ class NcclGroup:
             self._comm = nccl.NcclCommunicator(size, unique_id, rank)
         except TypeError:  # older CuPy takes the id as a tuple of signed chars (rejected before any NCCL call)
             self._comm = nccl.NcclCommunicator(size, tuple(b - 256 if b > 127 else b for b in unique_id), rank)
+        self.peer = None
+        if peer and size > 1:
+            from kdray.actors.peer_memory import PeerAllReduce
+
+            self.peer = PeerAllReduce(store, name, rank, size, timeout_s)
         self.all_reduce(torch.zeros(1, device="cuda"))
         torch.cuda.synchronize()
 
@@ -136,11 +148,19 @@ class NcclGroup:
         return torch.cuda.current_stream().cuda_stream
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the group; returns the sum (in ``t`` itself only when ``t`` is contiguous)."""
+        """Sum over the group; returns the sum (in ``t`` itself only when ``t`` is contiguous and goes through
+        NCCL)."""
+        if self.peer is not None and self.peer.fits(t):
+            return self.peer.all_reduce(t)
         t = t.contiguous()
         ptr, n, dt = self._args(t)
         self._comm.allReduce(ptr, ptr, n, dt, self._nccl.NCCL_SUM, self._stream())
         return t
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer.all_reduce_add_rmsnorm(x, residual, weight, eps)
+        return super().all_reduce_add_rmsnorm(x, residual, weight, eps)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``t`` concatenated along ``dim`` in rank order."""
@@ -167,7 +187,7 @@ class NcclGroup:
         return t
 
 
-BACKENDS = {"gloo": GlooGroup, "nccl": NcclGroup}
+BACKENDS = {"gloo": GlooGroup, "nccl": NcclGroup, "nccl-peer": functools.partial(NcclGroup, peer=True)}
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

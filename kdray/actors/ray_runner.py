@@ -25,7 +25,7 @@ from kdray.actors.channel import PlanServer, WorkerFailure, pack
 from kdray.actors.communicator import CommunicatorTimeout, missing_ranks
 from kdray.actors.drafter import DrafterWorker
 from kdray.actors.shard import ShardWorker
-from kdray.actors.worker import LoadReport, int32_bytes, int32_rows, prefill_plan
+from kdray.actors.worker import SEE_ALL_GPUS, LoadReport, int32_bytes, int32_rows, prefill_plan
 from kdray.engine.args import EngineArgs
 from kdray.engine.layout import EngineLayout, ModelFacts
 from kdray.engine.runner import launch
@@ -148,8 +148,10 @@ class EngineActors:
         first, homes, parts = self._place()
         shared = drafter and parts[-1] < 1  # the drafter has half of shard 0's GPU
         for rank, (home, part) in enumerate(zip(homes, parts)):
+            peer = rank < a.tp and a.all_reduce == "peer"  # sees every GPU of the node, to map its peers' buffers
             actor = (ShardActor if rank < a.tp else DrafterActor).options(
                 num_cpus=WORKER_CPUS, num_gpus=part if gpu else 0, max_restarts=0,
+                runtime_env={"env_vars": {SEE_ALL_GPUS: "1"}} if peer else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                      placement_group_bundle_index=first + home),
             ).remote(rank, a, part)
@@ -162,7 +164,7 @@ class EngineActors:
         host = ray.util.get_node_ip_address()
         store = self._held.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         sizes = ({"tp": a.tp} if a.tp > 1 else {}) | ({"link": a.tp + 1} if drafter else {})
-        backends = {"tp": "nccl" if gpu else "gloo",
+        backends = {"tp": ("nccl-peer" if a.all_reduce == "peer" else "nccl") if gpu else "gloo",
                     "link": "nccl" if gpu and not shared else "gloo"}  # NCCL refuses two ranks on one GPU
         self.groups = {g: (backends[g], n) for g, n in sizes.items()}
         calls = [actor.join.remote(host, store.port, {g: (backends[g], rank, n) for g, n in sizes.items()

@@ -25,6 +25,7 @@ other actors answer nothing unless they fail
 """
 from __future__ import annotations
 
+import os
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -85,6 +86,21 @@ def prefill_plan(batch: PrefillBatch) -> dict:
             "scored": batch.scored, "allowed": None if batch.allowed is None else int32_bytes(batch.allowed)}
 
 
+SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"  # Ray leaves CUDA_VISIBLE_DEVICES as the node's
+
+
+def own_gpu() -> torch.device:
+    """This actor's GPU: device 0, the only one Ray shows it, or, when the actor sees the node's GPUs (the peer
+    all-reduce maps its peers' memory), the one Ray assigned it among those visible."""
+    if os.environ.get(SEE_ALL_GPUS) != "1":
+        return torch.device("cuda", 0)
+    import ray
+
+    gpu = str(ray.get_gpu_ids()[0])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", visible.split(",").index(gpu) if visible else int(gpu))
+
+
 class Worker(ABC):
     """Base of :class:`~kdray.actors.shard.ShardWorker` and :class:`~kdray.actors.drafter.DrafterWorker`:
     ``join`` its groups, ``load``, ``setup``, then ``run``."""
@@ -93,8 +109,7 @@ class Worker(ABC):
 
     def __init__(self, rank: int, args: EngineArgs, gpu_share: float):
         self.rank, self.args, self.gpu_share = rank, args, gpu_share
-        # Ray shows an actor only its own GPU, as device 0.
-        self.device = torch.device("cuda", 0) if args.device.startswith("cuda") else torch.device("cpu")
+        self.device = own_gpu() if args.device.startswith("cuda") else torch.device("cpu")
         self.tp, self.link = SINGLE, None
         self.runner = None
         self.channel: PlanClient | None = None  # the engine's, while the step loop runs

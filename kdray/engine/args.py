@@ -13,6 +13,7 @@ from kdray.config import LOAD_FORMATS, SPEC_MODES
 
 DEFAULT_MODEL = "smollm2-135m"  # the real small model, with its shipped DFlash drafter
 DTYPES = ("float32", "bfloat16", "float16")
+ALL_REDUCES = ("nccl", "peer")
 MAX_BUDGET = 4096
 AUTO_MAX_NODES = 256  # the largest tree budget="auto" considers
 
@@ -43,6 +44,9 @@ class EngineArgs:
     tp: int = setting("tensor-parallel shards, one Ray actor (and GPU) each", default=1)
     expert_parallel: bool = setting("split routed experts by id across the shards instead of by width",
                                   default=False)
+    all_reduce: str = setting("tensor-parallel all-reduce on GPUs: nccl, or peer: a one-shot kernel over CUDA-IPC "
+                              "peer buffers for messages of a few tokens (fused with the residual add and RMSNorm "
+                              "after it), NCCL for larger ones", default="nccl")
     distributed: str | None = setting("local (in this process) or ray (actors); default: ray when tp > 1",
                                     default=None)
     max_num_seqs: int = setting("sequences decoded together", default=32)
@@ -83,6 +87,8 @@ class EngineArgs:
         check(self.device is None or self.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N")
         check(self.dtype is None or self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
         whole("tp", 1)
+        check(self.all_reduce in ALL_REDUCES, "all_reduce", f"one of {', '.join(ALL_REDUCES)}")
+        check(self.all_reduce != "peer" or self.tp > 1, "all_reduce", f"'nccl' for tp={self.tp} ('peer' joins shards)")
         check(self.distributed in (None, "local", "ray"), "distributed", "'local' or 'ray'")
         check(not (self.tp > 1 and self.distributed == "local"), "distributed",
               f"'ray' for tp={self.tp} (one Ray actor per shard)")
@@ -108,6 +114,8 @@ class EngineArgs:
         if device.startswith("cuda") and not torch.cuda.is_available() and self.distributed != "ray":
             raise ValueError(f"device='{device}' but no CUDA GPU is visible here; use device='cpu'")
         on_gpu = device.startswith("cuda")
+        if self.all_reduce == "peer" and not on_gpu:
+            raise ValueError("all_reduce='peer' runs on GPUs; use all_reduce='nccl' (gloo on the CPU)")
         drafter = self.drafter
         if drafter is None and self.spec != "ar" and not drafter_given:
             drafter = builtin_drafter(self.model)

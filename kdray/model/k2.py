@@ -208,7 +208,8 @@ class MoE(nn.Module):
         self.shared = (GatedMLP(H, I * cfg.n_shared_experts, dtype, group) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``, one all-reduce over the group."""
+        """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``: this rank's partial sum (its expert width or
+        its experts), which the norm after the layer reduces over the group."""
         cfg = self.cfg
         logits = skinny_linear(x, self.gate, out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
         shared, side = None, None
@@ -230,7 +231,7 @@ class MoE(nn.Module):
         else:  # few tokens: routed inside the MoE's first launch
             out, _, _ = routed_w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, *routing,
                                          add=shared, add_stream=side)
-        return self.group.all_reduce(out) if self.group.size > 1 else out
+        return out
 
     def load(self, reader: CheckpointReader, prefix: str):
         cfg, H, I = self.cfg, self.cfg.hidden_size, self.cfg.moe_intermediate_size
@@ -291,7 +292,7 @@ class K2Model(DecoderLM):
         layers = [DecoderLayer(MLAttention(cfg, dtype, group),
                                GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group)
                                if i < cfg.first_k_dense_replace else MoE(cfg, dtype, group, expert_parallel),
-                               cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                               cfg.hidden_size, cfg.rms_norm_eps, dtype, group)
                   for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, dtype, group, layers,
                          Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=True))

@@ -1,8 +1,10 @@
 """Building blocks shared by the targets and the drafter: norms, tensor-parallel linears, RoPE, MLP.
 
 Tensor parallelism is written into the layers: a linear's ``tp_dim`` says which weight dimension is
-split across the group (0: column-parallel, outputs split; 1: row-parallel, inputs split, then an
-all-reduce) and ``load`` reads only this rank's slice from the checkpoint.
+split across the group (0: column-parallel, outputs split; 1: row-parallel, inputs split, each rank
+returning its partial sum) and ``load`` reads only this rank's slice from the checkpoint. A decoder
+layer's attention and MLP end in a row-parallel product; their partial sums are reduced over the group
+in the norm after them (``RMSNorm(x, residual, group)``), with the residual add, in one collective.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdray.config import Llama3Scaling, YarnScaling
-from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kdray.kernels.rmsnorm import rmsnorm
 from kdray.kernels.rope import rope_reference
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_linear
@@ -26,25 +28,27 @@ class RMSNorm(nn.Module):
     """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as HF computes it.
 
     ``norm(x)`` returns the normalised ``x``; ``norm(x, residual)`` adds first and returns
-    ``(norm(x + residual), x + residual)`` (one fused kernel on a GPU)."""
+    ``(norm(x + residual), x + residual)`` (one fused kernel on a GPU); ``norm(x, residual, group)`` takes ``x``
+    as this rank's partial sum and reduces it over the tensor-parallel group first, in the same call."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, group=SINGLE
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
-        return add_rmsnorm(x, residual, self.weight, self.eps)
+        return group.all_reduce_add_rmsnorm(x, residual, self.weight, self.eps)
 
     def load(self, reader: CheckpointReader, name: str):
         self.weight.copy_(reader.get(name, tuple(self.weight.shape)))
 
 
 class Linear(nn.Module):
-    """``y = x W^T``, ``W [out, in]``; ``tp_dim`` None (replicated), 0 (column-parallel) or 1 (row-parallel)."""
+    """``y = x W^T``, ``W [out, in]``; ``tp_dim`` None (replicated), 0 (column-parallel) or 1 (row-parallel:
+    ``y`` is this rank's partial sum, which the caller reduces over the group)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, tp_dim: int | None = None,
                  group=SINGLE):
@@ -58,8 +62,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)  # [out(/tp), in(/tp)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = skinny_linear(x, self.weight)  # F.linear, or the weight-streaming kernel at a few tokens
-        return self.group.all_reduce(y) if self.tp_dim == 1 and self.group.size > 1 else y
+        return skinny_linear(x, self.weight)  # F.linear, or the weight-streaming kernel at a few tokens
 
     def load(self, reader: CheckpointReader, names: str | list[str], rows: list[int] | None = None):
         """Load one checkpoint tensor, or several stacked along the output dim (e.g. gate and up; ``rows`` each,
@@ -137,7 +140,8 @@ class LMHead(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate x) * up x)``: gate/up column-parallel (stacked), down row-parallel."""
+    """SwiGLU MLP ``down(silu(gate x) * up x)``: gate/up column-parallel (stacked), down row-parallel (the output is
+    this rank's partial sum)."""
 
     def __init__(self, dim: int, inner: int, dtype: torch.dtype, group=SINGLE):
         super().__init__()
@@ -216,8 +220,10 @@ class Rotary(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block ``h += attn(norm(h)); h += mlp(norm(h))`` under the HF parameter names."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, dim: int, eps: float, dtype: torch.dtype,
+                 group=SINGLE):
         super().__init__()
+        self.group = group
         self.input_layernorm = RMSNorm(dim, eps, dtype)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(dim, eps, dtype)
@@ -227,9 +233,11 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``h + delta`` (``delta`` None: ``h``), each ``[T, dim]`` -> this layer's output as
         (stream, pending MLP output), their sum left to the next norm: every residual add is fused into the norm
-        after it (:func:`residual_stream` sums them where a caller needs the stream itself)."""
-        x, h = (self.input_layernorm(h), h) if delta is None else self.input_layernorm(delta, h)
-        x, h = self.post_attention_layernorm(self.self_attn(x, rotary, cos, sin, batch, cache), h)
+        after it (:func:`residual_stream` sums them where a caller needs the stream itself). A pending output is
+        this rank's partial sum; the norm after it reduces it over the group."""
+        g = self.group
+        x, h = (self.input_layernorm(h), h) if delta is None else self.input_layernorm(delta, h, g)
+        x, h = self.post_attention_layernorm(self.self_attn(x, rotary, cos, sin, batch, cache), h, g)
         return h, self.mlp(x)
 
     def load(self, reader: CheckpointReader, prefix: str):
@@ -239,14 +247,15 @@ class DecoderLayer(nn.Module):
         self.mlp.load(reader, f"{prefix}.mlp")
 
 
-def residual_stream(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-    """The stream a layer's (stream, pending output) pair stands for: ``h + delta``, rounded as the add rounds."""
-    return h if delta is None else h + delta
+def residual_stream(h: torch.Tensor, delta: torch.Tensor | None, group=SINGLE) -> torch.Tensor:
+    """The stream a layer's (stream, pending partial output) pair stands for: ``h + delta`` with ``delta`` reduced
+    over ``group``, rounded as the add rounds."""
+    return h if delta is None else h + group.all_reduce(delta)
 
 
-def final_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-    """``norm(h + delta)``, the last layer's pending add fused into it."""
-    return norm(h) if delta is None else norm(delta, h)[0]
+def final_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None, group=SINGLE) -> torch.Tensor:
+    """``norm(h + delta)``, the last layer's pending add (and the reduction of its partial sum) fused into it."""
+    return norm(h) if delta is None else norm(delta, h, group)[0]
 
 
 class TargetHead(nn.Module):
@@ -278,6 +287,7 @@ class DecoderLM(TargetHead):
 
     def __init__(self, cfg, dtype: torch.dtype, group, layers: list[nn.Module], rotary: Rotary):
         super().__init__(cfg, dtype, group)
+        self.group = group
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = rotary
@@ -292,9 +302,10 @@ class DecoderLM(TargetHead):
         features = []
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, self.rotary, cos, sin, batch, kv_cache[i])
-            if i in target_layer_ids:
-                features.append(residual_stream(h, delta))
-        return final_norm(self.norm, h, delta), (torch.cat(features, dim=-1) if features else None)
+            if i in target_layer_ids:  # the stream itself: reduced and added here, the next norm a plain one
+                h, delta = residual_stream(h, delta, self.group), None
+                features.append(h)
+        return final_norm(self.norm, h, delta, self.group), (torch.cat(features, dim=-1) if features else None)
 
     def load(self, reader: CheckpointReader):
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...)."""

@@ -60,7 +60,7 @@ class LlamaModel(DecoderLM):
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, group=SINGLE):
         layers = [DecoderLayer(LlamaAttention(cfg, dtype, group),
                                GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, group),
-                               cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                               cfg.hidden_size, cfg.rms_norm_eps, dtype, group)
                   for _ in range(cfg.num_hidden_layers)]
         super().__init__(cfg, dtype, group, layers,
                          Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=False))

@@ -1,0 +1,140 @@
+// One-shot all-reduce of a few rows over peer buffers (CUDA IPC), optionally fused with the residual add and the
+// RMSNorm after it; see kernels/peer_all_reduce.py.
+//
+// Every rank owns one buffer that all ranks have mapped (bases[r]: rank r's buffer in this process's address space):
+//   flags  u32 [BLOCKS][MAX_WORLD]  flags[b][r]: the last call of block b at which rank r had written its rows
+//   counts u32 [BLOCKS]             this rank's calls so far, per block (only its own rank touches them)
+//   rows   elem_t [2][half_elems]   the rows of the calls with odd and even counts, [rows][dim] each
+// A call: block b copies its rows (b, b + BLOCKS, ...) of x into its own buffer's half (call & 1), then for each
+// rank r stores the call's count into rank r's flags[b][me] (system-scope release) and waits until its own
+// flags[b][r] has reached it (acquire): rank r's block b has written the same rows. It then sums each row over the
+// ranks in rank order in fp32, rounds once to the element type, and writes it (or, with a weight, adds the residual
+// and normalises as rmsnorm.cu does, in the same rounding and the same block reduction, so the result equals
+// add_rmsnorm of the reduced rows bit for bit). No barrier at the end: a rank's next call writes the other half, and
+// the one after it waits for every rank's flag of the call between, which each rank sets only after its own stream
+// has finished this call's reads.
+// Launch: grid (BLOCKS) always (every block counts every call), block (threads): a multiple of 32 with
+// threads * NV * VEC >= dim (the rmsnorm launch's threads for fewer rows than SMs), dim % VEC == 0, rows 16-byte
+// aligned; world <= MAX_WORLD; rows * dim <= half_elems.
+#include "dtype.cuh"
+#include "griddep.cuh"
+
+#ifndef VEC
+#define VEC 8
+#endif
+#define NV 4          // vectors per thread at most (as rmsnorm.cu)
+#define BLOCKS 32     // blocks of every launch
+#define MAX_WORLD 8   // ranks at most
+#define HEADER 4096   // bytes before the rows: flags, then counts
+
+typedef unsigned int u32;
+
+struct __align__(VEC * sizeof(elem_t)) vec_t {
+  elem_t v[VEC];
+};
+
+__device__ __forceinline__ void store_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 load_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// 16 bytes of a peer's rows, read where written (never a stale line of an earlier call).
+__device__ __forceinline__ vec_t load_peer(const vec_t* p) {
+  uint4 u;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(p));
+  return *reinterpret_cast<vec_t*>(&u);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long long* __restrict__ bases,  // [world] buffer addresses
+                                           int rank, int world, long long half_elems,
+                                           const elem_t* __restrict__ x, long long x_stride,  // [rows, dim]: my part
+                                           int rows, int dim,
+                                           const elem_t* __restrict__ residual, long long r_stride,  // or null
+                                           elem_t* __restrict__ residual_out,  // [rows, dim] (with residual)
+                                           const elem_t* __restrict__ weight,  // [dim], or null: no norm
+                                           elem_t* __restrict__ out,           // [rows, dim] contiguous
+                                           float eps) {
+  griddep_begin();
+  char* self = reinterpret_cast<char*>(bases[rank]);
+  u32* counts = reinterpret_cast<u32*>(self) + BLOCKS * MAX_WORLD;
+  const u32 call = counts[blockIdx.x] + 1;
+  const long long half = (call & 1) * half_elems;
+  const int nvec = dim / VEC;
+
+  vec_t* mine = reinterpret_cast<vec_t*>(reinterpret_cast<elem_t*>(self + HEADER) + half);
+  for (int row = blockIdx.x; row < rows; row += BLOCKS) {
+    const vec_t* xr = reinterpret_cast<const vec_t*>(x + row * x_stride);
+    for (int j = threadIdx.x; j < nvec; j += blockDim.x) mine[(long long)row * nvec + j] = xr[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < world) {  // thread r meets rank r
+    u32* theirs = reinterpret_cast<u32*>(bases[threadIdx.x]) + blockIdx.x * MAX_WORLD + rank;
+    __threadfence_system();  // the block's rows (ordered before by the barrier) before the flag
+    store_release_sys(theirs, call);
+    const u32* seen = reinterpret_cast<const u32*>(self) + blockIdx.x * MAX_WORLD + threadIdx.x;
+    while ((int)(load_acquire_sys(seen) - call) < 0) {  // a rank may already be one call ahead
+    }
+  }
+  __syncthreads();
+
+  for (int row = blockIdx.x; row < rows; row += BLOCKS) {  // uniform over the block: block_sum inside
+    vec_t s[NV];  // the rows' sums (after the residual add), kept rounded: 16 bytes a vector
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = threadIdx.x + i * blockDim.x;
+      if (j < nvec) {
+        float acc[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+        for (int r = 0; r < world; ++r) {  // rank order: every rank rounds the same sum
+          const long long at = (long long)row * nvec + j;
+          const vec_t v = r == rank ? reinterpret_cast<const vec_t*>(x + row * x_stride)[j]
+                                    : load_peer(reinterpret_cast<const vec_t*>(
+                                          reinterpret_cast<const elem_t*>(
+                                              reinterpret_cast<const char*>(bases[r]) + HEADER) + half) + at);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] += to_f(v.v[e]);
+        }
+        vec_t a;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) a.v[e] = to_t(acc[e]);
+        if (residual != nullptr) {
+          const vec_t b = reinterpret_cast<const vec_t*>(residual + row * r_stride)[j];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) a.v[e] = to_t(to_f(a.v[e]) + to_f(b.v[e]));
+          reinterpret_cast<vec_t*>(residual_out + (long long)row * dim)[j] = a;
+        }
+        if (weight == nullptr) {
+          reinterpret_cast<vec_t*>(out + (long long)row * dim)[j] = a;
+        }
+        s[i] = a;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) ss += to_f(a.v[e]) * to_f(a.v[e]);
+      }
+    }
+    if (weight == nullptr) continue;  // uniform: no norm, no block_sum
+    const float r = rsqrtf(block_sum(ss) / dim + eps);
+    const vec_t* wv = reinterpret_cast<const vec_t*>(weight);
+    vec_t* o = reinterpret_cast<vec_t*>(out + (long long)row * dim);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = threadIdx.x + i * blockDim.x;
+      if (j < nvec) {
+        const vec_t w = wv[j];
+        vec_t y;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) y.v[e] = to_t(to_f(w.v[e]) * to_f(to_t(to_f(s[i].v[e]) * r)));
+        o[j] = y;
+      }
+    }
+  }
+  if (threadIdx.x == 0) counts[blockIdx.x] = call;  // every thread read it before the barrier above
+}
