@@ -33,7 +33,10 @@ def peer_all_reduce_reference(parts: list[torch.Tensor], residual: torch.Tensor 
                               weight: torch.Tensor | None = None, eps: float = 0.0):
     """Every rank's ``[rows, dim]`` part summed in rank order in fp32 and rounded once; with ``residual``, also
     ``reduced + residual``; with ``weight``, (``rmsnorm(stream)``, stream) as ``add_rmsnorm`` returns them."""
-    s = torch.stack([p.float() for p in parts]).sum(0).to(parts[0].dtype)
+    s = parts[0].float()
+    for p in parts[1:]:  # rank order
+        s = s + p.float()
+    s = s.to(parts[0].dtype)
     if residual is not None:
         s = s + residual
     if weight is None:

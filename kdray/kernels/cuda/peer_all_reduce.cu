@@ -16,22 +16,14 @@
 // Launch: grid (BLOCKS) always (every block counts every call), block (threads): a multiple of 32 with
 // threads * NV * VEC >= dim (the rmsnorm launch's threads for fewer rows than SMs), dim % VEC == 0, rows 16-byte
 // aligned; world <= MAX_WORLD; rows * dim <= half_elems.
-#include "dtype.cuh"
 #include "griddep.cuh"
+#include "rmsnorm.cuh"
 
-#ifndef VEC
-#define VEC 8
-#endif
-#define NV 4          // vectors per thread at most (as rmsnorm.cu)
 #define BLOCKS 32     // blocks of every launch
 #define MAX_WORLD 8   // ranks at most
 #define HEADER 4096   // bytes before the rows: flags, then counts
 
 typedef unsigned int u32;
-
-struct __align__(VEC * sizeof(elem_t)) vec_t {
-  elem_t v[VEC];
-};
 
 __device__ __forceinline__ void store_release_sys(u32* p, u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
@@ -116,25 +108,10 @@ extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long lo
           reinterpret_cast<vec_t*>(out + (long long)row * dim)[j] = a;
         }
         s[i] = a;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) ss += to_f(a.v[e]) * to_f(a.v[e]);
+        add_squares(ss, a);
       }
     }
-    if (weight == nullptr) continue;  // uniform: no norm, no block_sum
-    const float r = rsqrtf(block_sum(ss) / dim + eps);
-    const vec_t* wv = reinterpret_cast<const vec_t*>(weight);
-    vec_t* o = reinterpret_cast<vec_t*>(out + (long long)row * dim);
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = threadIdx.x + i * blockDim.x;
-      if (j < nvec) {
-        const vec_t w = wv[j];
-        vec_t y;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) y.v[e] = to_t(to_f(w.v[e]) * to_f(to_t(to_f(s[i].v[e]) * r)));
-        o[j] = y;
-      }
-    }
+    if (weight != nullptr) rmsnorm_store(s, ss, dim, eps, weight, out + (long long)row * dim);  // uniform
   }
   if (threadIdx.x == 0) counts[blockIdx.x] = call;  // every thread read it before the barrier above
 }

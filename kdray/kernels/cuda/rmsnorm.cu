@@ -4,17 +4,8 @@
 // cast to the element type before the next step.
 // Launch: grid (rows), block (threads): threads a multiple of 32, threads * NV * VEC >= dim, dim % VEC == 0,
 // every row start VEC-element aligned. VEC elements per access (16 bytes for bf16 rows of 8).
-#include "dtype.cuh"
 #include "griddep.cuh"
-
-#ifndef VEC
-#define VEC 8
-#endif
-#define NV 4  // vectors per thread at most
-
-struct __align__(VEC * sizeof(elem_t)) vec_t {
-  elem_t v[VEC];
-};
+#include "rmsnorm.cuh"
 
 extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_stride,       // [rows, dim]
                                    const elem_t* __restrict__ residual, long long r_stride,  // [rows, dim] or null
@@ -26,7 +17,7 @@ extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_str
   const long long row = blockIdx.x;
   const int nvec = dim / VEC;
   const vec_t* xr = reinterpret_cast<const vec_t*>(x + row * x_stride);
-  float s[NV][VEC];
+  vec_t s[NV];
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -39,25 +30,9 @@ extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_str
         for (int e = 0; e < VEC; ++e) a.v[e] = to_t(to_f(a.v[e]) + to_f(b.v[e]));
         reinterpret_cast<vec_t*>(residual_out + row * dim)[j] = a;
       }
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        s[i][e] = to_f(a.v[e]);
-        ss += s[i][e] * s[i][e];
-      }
+      s[i] = a;
+      add_squares(ss, a);
     }
   }
-  const float r = rsqrtf(block_sum(ss) / dim + eps);
-  const vec_t* wv = reinterpret_cast<const vec_t*>(weight);
-  vec_t* o = reinterpret_cast<vec_t*>(out + row * dim);
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int j = threadIdx.x + i * blockDim.x;
-    if (j < nvec) {
-      const vec_t w = wv[j];
-      vec_t y;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) y.v[e] = to_t(to_f(w.v[e]) * to_f(to_t(s[i][e] * r)));
-      o[j] = y;
-    }
-  }
+  rmsnorm_store(s, ss, dim, eps, weight, out + row * dim);
 }
