@@ -29,10 +29,14 @@ CALLS, REPEATS = 20, 7
 
 def graph_time_us(run, streams: list[torch.cuda.Stream]) -> float:
     """Per call: ``run(rank)`` CALLS times captured once per stream, the graphs replayed together."""
+    main = torch.cuda.current_stream()
+    for r, s in enumerate(streams):  # warm-up (compiles, counts): the ranks' calls meet, so all are issued first
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            run(r)
+    torch.cuda.synchronize()
     graphs = []
     for r, s in enumerate(streams):
-        run(r)  # warm-up (compiles, counts)
-        torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             for _ in range(CALLS):
@@ -42,7 +46,6 @@ def graph_time_us(run, streams: list[torch.cuda.Stream]) -> float:
     times = []
     for _ in range(REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        main = torch.cuda.current_stream()
         start.record(main)
         for g, s in zip(graphs, streams):
             s.wait_stream(main)

@@ -7,6 +7,7 @@ from test_gpu_engine import k2_shard_config, random_model
 
 import kdray.model.k2 as k2
 import kdray.model.layers as layers
+import kdray.model.parallel as parallel
 from kdray.kernels.mla_rope_cache import mla_rope_cache_reference
 from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
@@ -24,7 +25,7 @@ def unfused(monkeypatch):
         return rmsnorm_reference(s, weight, eps), s
 
     monkeypatch.setattr(layers, "rmsnorm", rmsnorm_reference)
-    monkeypatch.setattr(layers, "add_rmsnorm", add_rmsnorm_reference)
+    monkeypatch.setattr(parallel, "add_rmsnorm", add_rmsnorm_reference)  # the layers' norm after a reduction
     monkeypatch.setattr(k2, "mla_rope_cache", mla_rope_cache_reference)
     monkeypatch.setattr(k2, "moe_route", moe_route_reference)
 

@@ -181,7 +181,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: K2Config, dtype: torch.dtype, group=SINGLE, expert_parallel: bool = False):
         super().__init__()
-        self.cfg, self.group, self.ep = cfg, group, expert_parallel
+        self.cfg, self.ep = cfg, expert_parallel
         E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         if expert_parallel:
             self.e0, e1 = shard_range(E, group, "n_routed_experts")

@@ -35,13 +35,10 @@ __device__ __forceinline__ u32 load_acquire_sys(const u32* p) {
   return v;
 }
 
-// 16 bytes of a peer's rows, read where written (never a stale line of an earlier call).
+// 16 bytes of a peer's rows, fetched again (ld.global.cv: never a stale line of an earlier call).
 __device__ __forceinline__ vec_t load_peer(const vec_t* p) {
-  uint4 u;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-               : "l"(p));
-  return *reinterpret_cast<vec_t*>(&u);
+  const uint4 u = __ldcv(reinterpret_cast<const uint4*>(p));
+  return *reinterpret_cast<const vec_t*>(&u);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long long* __restrict__ bases,  // [world] buffer addresses
@@ -53,7 +50,7 @@ extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long lo
                                            const elem_t* __restrict__ weight,  // [dim], or null: no norm
                                            elem_t* __restrict__ out,           // [rows, dim] contiguous
                                            float eps) {
-  griddep_begin();
+  griddep_wait();  // the kernel after this one is launched once this block has met the other ranks (below)
   char* self = reinterpret_cast<char*>(bases[rank]);
   u32* counts = reinterpret_cast<u32*>(self) + BLOCKS * MAX_WORLD;
   const u32 call = counts[blockIdx.x] + 1;
@@ -68,13 +65,15 @@ extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long lo
   __syncthreads();
   if (threadIdx.x < world) {  // thread r meets rank r
     u32* theirs = reinterpret_cast<u32*>(bases[threadIdx.x]) + blockIdx.x * MAX_WORLD + rank;
-    __threadfence_system();  // the block's rows (ordered before by the barrier) before the flag
-    store_release_sys(theirs, call);
+    store_release_sys(theirs, call);  // releases the block's rows too (ordered before it by the barrier)
     const u32* seen = reinterpret_cast<const u32*>(self) + blockIdx.x * MAX_WORLD + threadIdx.x;
     while ((int)(load_acquire_sys(seen) - call) < 0) {  // a rank may already be one call ahead
     }
   }
   __syncthreads();
+  // Not at the start: a launched dependent's blocks wait on the SMs, and a chain of this kernel's calls launched
+  // that way would fill them before the other ranks' blocks (ranks sharing a GPU) had come.
+  griddep_launch_dependents();
 
   for (int row = blockIdx.x; row < rows; row += BLOCKS) {  // uniform over the block: block_sum inside
     vec_t s[NV];  // the rows' sums (after the residual add), kept rounded: 16 bytes a vector
