@@ -2,8 +2,8 @@
 
 Each rank allocates and zeroes one buffer of its own (``cudaMalloc``), publishes its CUDA IPC handle in the
 engine's store and maps every other rank's buffer into its address space: plain peer loads and stores over NVLink
-(never multicast). Every GPU of the group must be visible to every rank's process (the Ray runner shows a shard
-all of its placement group's GPUs when the group uses it).
+(never multicast). Every GPU of the group must be visible to every rank's process (with ``all_reduce='peer'`` the
+Ray runner shows each shard all of the node's GPUs).
 """
 from __future__ import annotations
 
