@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 
 from kdray.kernels.peer_all_reduce import MAX_WORLD, buffer_bytes, peer_all_reduce
-from kdray.kernels.rmsnorm import DTYPES, NV
+from kdray.kernels.rmsnorm import DTYPES, MAX_VECS
 
 # Bytes a rank reads from its peers in one call at most: a message of up to READ_BYTES / (ranks - 1) goes one-shot
 # (at TP = 2, 73 of K2's token rows), a larger one through NCCL. Ours, fused with the residual add and RMSNorm, two
@@ -59,7 +59,7 @@ class PeerAllReduce:
         """Whether ``x`` goes one-shot: a CUDA tensor of a kernel dtype, rows of whole 16-byte vectors, at most
         ``max_bytes`` (the same answer on every rank: it reads the shape and dtype only)."""
         row = x.shape[-1] * x.element_size() if x.dim() else 0
-        return (x.is_cuda and x.dtype in DTYPES and row % 16 == 0 and 0 < row <= NV * 1024 * 16
+        return (x.is_cuda and x.dtype in DTYPES and row % 16 == 0 and 0 < row <= MAX_VECS * 16
                 and x.numel() * x.element_size() <= self.max_bytes)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

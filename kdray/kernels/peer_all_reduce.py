@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kdray.kernels.cuda_module import as_rows, launch, sm_count, vector_elems
-from kdray.kernels.rmsnorm import DTYPES, NV, rmsnorm_reference
+from kdray.kernels.cuda_module import as_rows, launch, vector_elems
+from kdray.kernels.rmsnorm import DTYPES, MAX_VECS, norm_threads, rmsnorm_reference
 
 BLOCKS = 32  # blocks of every launch (BLOCKS in the .cu)
 MAX_WORLD = 8  # ranks at most (MAX_WORLD in the .cu)
@@ -73,15 +73,12 @@ def peer_all_reduce(bases: torch.Tensor, rank: int, max_bytes: int, x: torch.Ten
         tensors += [r2, res_out.view(-1, dim), weight.view(1, dim)]
     vec = vector_elems(dim, tensors)
     nvec = dim // vec
-    if vec * x.element_size() != 16 or nvec > NV * 1024:
+    if vec * x.element_size() != 16 or nvec > MAX_VECS:
         raise ValueError(f"peer all-reduce needs rows of a multiple of 16 bytes, 16-byte aligned, of at most "
-                         f"{NV * 1024} vectors; got dim {dim} of {x.dtype}")
+                         f"{MAX_VECS} vectors; got dim {dim} of {x.dtype}")
     rows = x2.shape[0]
     if rows:
-        # the rmsnorm launch's threads for fewer rows than SMs: the same block reduction, the same bits
-        threads = min(1024, (nvec + 31) // 32 * 32) if rows < sm_count(x.device.index) else \
-            min(1024, (-(-nvec // NV) + 31) // 32 * 32)
-        launch("peer_all_reduce", "peer_all_reduce", (BLOCKS,), (threads,),
+        launch("peer_all_reduce", "peer_all_reduce", (BLOCKS,), (norm_threads(nvec, rows, x.device),),
                (bases, np.int32(rank), np.int32(world), np.int64(max_bytes // x.element_size()),
                 x2, np.int64(x2.stride(0)), np.int32(rows), np.int32(dim),
                 0 if r2 is None else r2, np.int64(0 if r2 is None else r2.stride(0)), 0 if res_out is None else res_out,

@@ -50,6 +50,16 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     return _launch(x, residual, weight, eps)
 
 
+def norm_threads(nvec: int, rows: int, device: torch.device) -> int:
+    """Threads of a block normalising one row of ``nvec`` vectors (``cuda/rmsnorm.cuh``; the peer all-reduce's fused
+    norm takes the same, so its block reduction, and its bits, are the same). Fewer rows than SMs (decode, small
+    verify passes): a thread per access, the shortest path per row; more rows: the fewest warps that cover a row in
+    NV accesses, more rows in flight per SM (a 16k-token K2 prefill's norms: 67% of the copy rate with 896-thread
+    blocks; 1x0 K2 decode 3% slower with 224)."""
+    per_thread = 1 if rows < sm_count(device.index) else NV
+    return min(1024, (-(-nvec // per_thread) + 31) // 32 * 32)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor):
     if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"x [..., dim] and weight [dim] disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
@@ -75,12 +85,7 @@ def _launch(x, residual, weight, eps):
                          f"accesses of {vec}); normalise in chunks or extend NV in cuda/rmsnorm.cu")
     rows = x2.shape[0]
     if rows:
-        # Fewer rows than SMs (decode, small verify passes): a thread per access, the shortest path per row; more
-        # rows: the fewest warps that cover a row in NV accesses, more rows in flight per SM (a 16k-token K2
-        # prefill's norms: 67% of the copy rate with 896-thread blocks; 1x0 K2 decode 3% slower with 224)
-        per_thread = 1 if rows < sm_count(x.device.index) else NV
-        threads = min(1024, (-(-nvec // per_thread) + 31) // 32 * 32)
-        launch("rmsnorm", "rmsnorm", (rows,), (threads,),
+        launch("rmsnorm", "rmsnorm", (rows,), (norm_threads(nvec, rows, x.device),),
                (x2, np.int64(x2.stride(0)), 0 if r2 is None else r2, np.int64(0 if r2 is None else r2.stride(0)),
                 0 if res_out is None else res_out, weight, out, np.int32(dim), np.float32(eps)),
                device=x.device, defines=(("DTYPE", DTYPES[x.dtype]), ("VEC", vec)))

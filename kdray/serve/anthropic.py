@@ -34,7 +34,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 503: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # OpenAI's finish reason -> Anthropic's
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}  # what each role sends
-BLOCK_TYPES = ("text", "tool_result", "tool_use", "thinking")
+BLOCK_TYPES = tuple(dict.fromkeys(kind for kinds in BLOCKS.values() for kind in kinds))  # every block kdray reads
 TOOL_ERROR = "Error: "  # how a tool_result with is_error reaches the chat template
 
 
