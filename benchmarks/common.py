@@ -1,6 +1,7 @@
 """Shared pieces of the GPU benchmarks: timing, the machine's measured ceilings and the result table."""
 from __future__ import annotations
 
+import gc
 import statistics
 from dataclasses import dataclass
 
@@ -78,6 +79,22 @@ class Row:
 
 
 HEADER = ["kernel", "shape", "time us", "time / floor", "achieved", "speed-up", "target"]
+
+
+def run_cells(cells: list[str], measure, oom_row) -> list[list[str]]:
+    """Each cell's table row, ``measure(cell)``; a cell that does not fit the GPU's memory is printed as such, gets
+    ``oom_row(cell)`` and the next cell runs. Each cell's memory (its cache, its graph pool) is freed before the
+    next."""
+    rows = []
+    for cell in cells:
+        try:
+            rows.append(measure(cell))
+        except torch.OutOfMemoryError as e:
+            print(f"# {cell}: out of memory ({str(e).splitlines()[0]})", flush=True)
+            rows.append(oom_row(cell))
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
 
 
 def print_table(rows: list[list[str]], header: list[str] = HEADER) -> str:

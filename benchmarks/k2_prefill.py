@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: a --base kdray can come first
 import kdray  # noqa: E402
-from benchmarks.common import Ceilings, print_table, time_us  # noqa: E402
+from benchmarks.common import Ceilings, print_table, run_cells, time_us  # noqa: E402
 from benchmarks.k2_step import PAGE, matmul_params, random_shard, shard_config  # noqa: E402
 from kdray.config import K2Config, LlamaConfig  # noqa: E402
 from kdray.model.batch import prompt_chunks  # noqa: E402
@@ -179,16 +178,11 @@ def main():
     else:
         with torch.device("cuda"):
             model = fill_random(LlamaModel(LlamaConfig(**SMOLLM2), torch.bfloat16))
-    rows = []
-    for cell in args.prompts:
-        try:
-            rows.append(measure(model, cell))
-        except torch.OutOfMemoryError as e:
-            print(f"# {cell}: out of memory ({str(e).splitlines()[0]})", flush=True)
-            B, _, N = parse_cell(cell)
-            rows.append([cell, str(B * N), "OOM"] + ["-"] * 7)
-        gc.collect()
-        torch.cuda.empty_cache()
+    def oom_row(cell: str) -> list[str]:
+        B, _, N = parse_cell(cell)
+        return [cell, str(B * N), "OOM"] + ["-"] * (len(HEADER) - 3)
+
+    rows = run_cells(args.prompts, lambda cell: measure(model, cell), oom_row)
     table = print_table(rows, HEADER)
     if args.md:
         Path(args.md).write_text(head + "\n\n" + table + "\n")

@@ -34,7 +34,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: a --base kdray can come first
 import kdray  # noqa: E402
-from benchmarks.common import Ceilings, print_table  # noqa: E402
+from benchmarks.common import Ceilings, print_table, run_cells  # noqa: E402
 from kdray.config import K2Config  # noqa: E402
 from kdray.model.batch import ForwardBatch, causal_tree_mask  # noqa: E402
 from kdray.model.dummy import fill_random  # noqa: E402
@@ -228,11 +228,11 @@ def main():
     print(f"# weights: {dense_bytes / 1e9:.2f} GB non-expert, {expert_bytes / 1e6:.2f} MB per expert, "
           f"{torch.cuda.memory_allocated() / 1e9:.1f} GB allocated", flush=True)
 
-    rows = []
-    for cell in args.grid:
-        rows.append(measure(model, cfg, ceil, cell, args))
-        gc.collect()
-        torch.cuda.empty_cache()  # the cell's cache and graph pool
+    def oom_row(cell: str) -> list[str]:  # a cell past the GPU's memory (32x64 on an 80 GB H100)
+        B, N = (int(v) for v in cell.split("x"))
+        return [cell, str(B * (N + 1)), "-", "OOM"] + ["-"] * (len(HEADER) - 4)
+
+    rows = run_cells(args.grid, lambda cell: measure(model, cfg, ceil, cell, args), oom_row)
     table = print_table(rows, HEADER)
     if args.md:
         Path(args.md).write_text(head + "\n\n" + table + "\n")

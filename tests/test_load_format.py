@@ -1,5 +1,6 @@
 """``load_format="dummy"``: a model built from its checkpoint's config with seeded random weights, laid out as a
-real load leaves them; and ``benchmarks/serve_load.py``'s token-id requests for a model without a tokenizer."""
+real load leaves them; ``benchmarks/serve_load.py``'s token-id requests for a model without a tokenizer; the K2
+benchmarks' cells that do not fit a GPU."""
 from __future__ import annotations
 
 import json
@@ -166,6 +167,20 @@ def test_k2_shard_config_directory_holds_the_shards_config(tmp_path):
     assert [p.name for p in path.iterdir()] == ["config.json"]
     assert model_config(str(path)) == shard_config(3)
     assert shard_config(3).num_hidden_layers == 3 and shard_config(3).quantization.group_size == 32
+
+
+def test_benchmark_cells_past_the_gpus_memory_are_reported_and_the_rest_run(capsys):
+    """k2_step's 32x64 cell does not fit an 80 GB H100: its row says OOM and the cells after it still run."""
+    from benchmarks.common import run_cells
+
+    def measure(cell):
+        if cell == "32x64":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.85 GiB.\nmore")
+        return [cell, "ok"]
+
+    rows = run_cells(["1x0", "32x64", "8x0"], measure, lambda cell: [cell, "OOM"])
+    assert rows == [["1x0", "ok"], ["32x64", "OOM"], ["8x0", "ok"]]
+    assert "# 32x64: out of memory (CUDA out of memory. Tried to allocate 8.85 GiB.)" in capsys.readouterr().out
 
 
 def test_serve_load_id_prompts_share_their_prefix_and_differ_after_it():
