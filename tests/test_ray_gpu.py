@@ -87,21 +87,28 @@ def test_tp1_with_the_drafter_on_its_own_gpu_links_over_nccl(ray_gpus):
         assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)) == reference
 
 
+TP_BACKENDS = {"nccl": "nccl", "peer": "nccl-peer"}  # EngineArgs.all_reduce -> the tp group's backend
+
+
 @pytest.mark.parametrize("ray_gpus", [2], indirect=True)
-@pytest.mark.parametrize("ep,graphs", [(False, True), (False, False), (True, True)])
-def test_tp2_over_nccl_equals_in_process_in_fp32(ray_gpus, ep, graphs):
-    """k2-tiny in fp32 on the GPUs: token for token the in-process output, with the NCCL collectives captured
-    inside the verify pass's CUDA graph (the default on GPUs) and without graphs."""
+@pytest.mark.parametrize("ep,graphs,all_reduce", [(False, True, "nccl"), (False, False, "nccl"), (True, True, "nccl"),
+                                                  (False, True, "peer"), (False, False, "peer"), (True, True, "peer")])
+def test_tp2_over_nccl_equals_in_process_in_fp32(ray_gpus, ep, graphs, all_reduce):
+    """k2-tiny in fp32 on the GPUs: token for token the in-process output, with the collectives captured inside the
+    verify pass's CUDA graph (the default on GPUs) and without graphs; over NCCL and over the one-shot peer kernel
+    (two ranks: both sum a + b once in fp32)."""
     fp32 = {"device": "cuda", "dtype": "float32", "cuda_graphs": graphs}
     reference = generate("k2-tiny", PROMPTS, 24, **fp32)
-    with LLM(model="k2-tiny", **SPEC, **fp32, tp=2, expert_parallel=ep, distributed="ray") as llm:
-        assert llm.engine.runner.actors.groups == {"tp": ("nccl", 2), "link": ("gloo", 3)}  # the drafter shares GPU 0
+    with LLM(model="k2-tiny", **SPEC, **fp32, tp=2, expert_parallel=ep, distributed="ray",
+             all_reduce=all_reduce) as llm:
+        groups = llm.engine.runner.actors.groups
+        assert groups == {"tp": (TP_BACKENDS[all_reduce], 2), "link": ("gloo", 3)}  # the drafter shares GPU 0
         assert tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)) == reference
 
 
 @pytest.mark.parametrize("ray_gpus", [2], indirect=True)
-@pytest.mark.parametrize("ep", [False, True])
-def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int4_k2, ep):
+@pytest.mark.parametrize("ep,all_reduce", [(False, "nccl"), (True, "nccl"), (False, "peer"), (True, "peer")])
+def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int4_k2, ep, all_reduce):
     """INT4 experts take bf16 activations, and each rank's partial sums are rounded to bf16 before the
     all-reduce, so at TP = 2 a greedy choice can flip where the in-process logits nearly tie. Each prompt's
     output equals the in-process one up to its first divergence, and there the in-process logit of the token
@@ -109,8 +116,8 @@ def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int
     prompts = [[t % 1000 for t in p] for p in PROMPTS]
     with LLM(model=int4_k2, **SPEC_GPU) as local:
         reference = tokens(local.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
-        with LLM(model=int4_k2, **SPEC_GPU, tp=2, expert_parallel=ep, distributed="ray") as llm:
-            assert llm.engine.runner.actors.groups["tp"] == ("nccl", 2)
+        with LLM(model=int4_k2, **SPEC_GPU, tp=2, expert_parallel=ep, distributed="ray", all_reduce=all_reduce) as llm:
+            assert llm.engine.runner.actors.groups["tp"] == (TP_BACKENDS[all_reduce], 2)
             got = tokens(llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
         for prompt, ours, theirs in zip(prompts, got, reference):
             flip = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
