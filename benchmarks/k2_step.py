@@ -171,9 +171,15 @@ def allreduce_us(tokens: int, one: float, t257: float) -> float:
     return one + (tokens - 1) * (t257 - one) / 256
 
 
+def parse_cell(cell: str) -> tuple[int, int]:
+    """``BxN`` -> (B sequences, N draft nodes each)."""
+    B, N = (int(v) for v in cell.split("x"))
+    return B, N
+
+
 def measure(model: K2Model, cfg: K2Config, ceil: Ceilings, cell: str, args) -> list[str]:
     """One grid cell ``BxN``: time it, count what it must move and compute, return its table row."""
-    B, N = (int(v) for v in cell.split("x"))
+    B, N = parse_cell(cell)
     batch, kv = verify_batch(cfg, B, N, args.prefix)
     T = B * (N + 1)
 
@@ -229,7 +235,7 @@ def main():
           f"{torch.cuda.memory_allocated() / 1e9:.1f} GB allocated", flush=True)
 
     def oom_row(cell: str) -> list[str]:  # a cell past the GPU's memory (32x64 on an 80 GB H100)
-        B, N = (int(v) for v in cell.split("x"))
+        B, N = parse_cell(cell)
         return [cell, str(B * (N + 1)), "-", "OOM"] + ["-"] * (len(HEADER) - 4)
 
     rows = run_cells(args.grid, lambda cell: measure(model, cfg, ceil, cell, args), oom_row)
