@@ -93,7 +93,7 @@ TP_BACKENDS = {"nccl": "nccl", "peer": "nccl-peer"}  # EngineArgs.all_reduce -> 
 @pytest.mark.parametrize("ray_gpus", [2], indirect=True)
 @pytest.mark.parametrize("ep,graphs,all_reduce", [(False, True, "nccl"), (False, False, "nccl"), (True, True, "nccl"),
                                                   (False, True, "peer"), (False, False, "peer"), (True, True, "peer")])
-def test_tp2_over_nccl_equals_in_process_in_fp32(ray_gpus, ep, graphs, all_reduce):
+def test_tp2_equals_in_process_in_fp32(ray_gpus, ep, graphs, all_reduce):
     """k2-tiny in fp32 on the GPUs: token for token the in-process output, with the collectives captured inside the
     verify pass's CUDA graph (the default on GPUs) and without graphs; over NCCL and over the one-shot peer kernel
     (two ranks: both sum a + b once in fp32)."""
@@ -108,7 +108,7 @@ def test_tp2_over_nccl_equals_in_process_in_fp32(ray_gpus, ep, graphs, all_reduc
 
 @pytest.mark.parametrize("ray_gpus", [2], indirect=True)
 @pytest.mark.parametrize("ep,all_reduce", [(False, "nccl"), (True, "nccl"), (False, "peer"), (True, "peer")])
-def test_int4_tp2_over_nccl_equals_in_process_up_to_bf16_near_ties(ray_gpus, int4_k2, ep, all_reduce):
+def test_int4_tp2_equals_in_process_up_to_bf16_near_ties(ray_gpus, int4_k2, ep, all_reduce):
     """INT4 experts take bf16 activations, and each rank's partial sums are rounded to bf16 before the
     all-reduce, so at TP = 2 a greedy choice can flip where the in-process logits nearly tie. Each prompt's
     output equals the in-process one up to its first divergence, and there the in-process logit of the token

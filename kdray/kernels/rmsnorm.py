@@ -18,7 +18,7 @@ import torch
 from kdray.kernels.cuda_module import as_rows, launch, sm_count, vector_elems
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-NV = 4  # vectors per thread at most (NV in the .cu)
+NV = 4  # vectors per thread at most (NV in cuda/rmsnorm.cuh)
 MAX_VECS = NV * 1024  # vectors per row: 1024 threads x NV
 
 
@@ -81,8 +81,8 @@ def _launch(x, residual, weight, eps):
     vec = vector_elems(dim, ins)
     nvec = dim // vec
     if nvec > MAX_VECS:
-        raise ValueError(f"rmsnorm rows of {dim} elements exceed the kernel's {MAX_VECS * vec} (1024 threads x 4 "
-                         f"accesses of {vec}); normalise in chunks or extend NV in cuda/rmsnorm.cu")
+        raise ValueError(f"rmsnorm rows of {dim} elements exceed the kernel's {MAX_VECS * vec} (1024 threads x {NV} "
+                         f"accesses of {vec}); normalise in chunks or extend NV in cuda/rmsnorm.cuh")
     rows = x2.shape[0]
     if rows:
         launch("rmsnorm", "rmsnorm", (rows,), (norm_threads(nvec, rows, x.device),),
