@@ -31,6 +31,7 @@ MAX_ROPE_DIM = 64  # a warp ropes one row: R / 2 pairs <= 32 lanes
 # 17-65 tokens; each absorb block reads its 16 KB of W_UK again, so many more tokens would read it many times).
 ABSORB_MAX_T = 64
 ABSORB_TOKENS = 8  # tokens per absorb block (ABSORB_TOKENS in the .cu)
+ROPE_THREADS = 128  # a token block (ROPE_THREADS in the .cu)
 
 
 def absorb_queries_reference(q_nope: torch.Tensor, w_uk: torch.Tensor, q_latent: torch.Tensor) -> None:
@@ -95,7 +96,7 @@ def mla_rope_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
                        i64(q_latent.stride(0)), i64(q_latent.stride(1)))
     else:  # no absorb blocks: null pointers (0), no strides
         absorb_blocks, absorb_args = 0, (0, i64(0), i64(0), 0, i64(0), 0, i64(0), i64(0))
-    launch("mla_rope_cache", "mla_rope_cache", (T + absorb_blocks,), (128,),
+    launch("mla_rope_cache", "mla_rope_cache", (T + absorb_blocks,), (ROPE_THREADS,),
            (kv_a, i64(kv_a.stride(0)), weight, cos, sin, q_pe, i64(q_pe.stride(0)), i64(q_pe.stride(1)), q_out,
             i64(q_out.stride(0)), i64(q_out.stride(1)), cache_rows, i64(cache_rows.shape[0]), slot_mapping,
             np.int32(H), np.int32(L), np.int32(R), np.float32(eps), *absorb_args, np.int32(T)),
