@@ -26,7 +26,7 @@ from kdray.kernels.cuda_module import launch
 from kdray.kernels.rmsnorm import DTYPES, rmsnorm_reference
 from kdray.kernels.rope import rope_reference
 
-MAX_ROPE_DIM = 64  # a warp ropes one row: R / 2 pairs <= 32 lanes
+MAX_ROPE_DIM = 64  # a lane per rotated pair of a row: R / 2 pairs <= 32 lanes
 # Tokens whose absorbed queries the launch writes (H200, K2 TP8: 4% less at one token, even with cuBLAS's GEMM at
 # 17-65 tokens; each absorb block reads its 16 KB of W_UK again, so many more tokens would read it many times).
 ABSORB_MAX_T = 64
