@@ -91,15 +91,15 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
   elem_t* row = slot >= 0 && slot < n_rows ? cache + slot * (L + R) : nullptr;
   const elem_t* src = kv_a + t * kv_stride;
   constexpr int SPAN = ROPE_THREADS * ROPE_BATCH;  // latent values a pass's loop turn covers
+  // The thread's u-th latent index of the loop turn at j0, and latent value j of p (0 past L).
+  const auto index = [](int j0, int u) { return j0 + ROPE_THREADS * u + (int)threadIdx.x; };
+  const auto load = [L](const elem_t* p, int j) { return j < L ? to_f(p[j]) : 0.f; };
 
   float ss = 0.f;
   for (int j0 = 0; j0 < L; j0 += SPAN) {
     float v[ROPE_BATCH];
 #pragma unroll
-    for (int u = 0; u < ROPE_BATCH; ++u) {
-      const int j = j0 + ROPE_THREADS * u + threadIdx.x;
-      v[u] = j < L ? to_f(src[j]) : 0.f;
-    }
+    for (int u = 0; u < ROPE_BATCH; ++u) v[u] = load(src, index(j0, u));
 #pragma unroll
     for (int u = 0; u < ROPE_BATCH; ++u) ss += v[u] * v[u];
   }
@@ -109,15 +109,12 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
       float v[ROPE_BATCH], w[ROPE_BATCH];
 #pragma unroll
       for (int u = 0; u < ROPE_BATCH; ++u) {
-        const int j = j0 + ROPE_THREADS * u + threadIdx.x;
-        v[u] = j < L ? to_f(src[j]) : 0.f;
-        w[u] = j < L ? to_f(weight[j]) : 0.f;
+        v[u] = load(src, index(j0, u));
+        w[u] = load(weight, index(j0, u));
       }
 #pragma unroll
-      for (int u = 0; u < ROPE_BATCH; ++u) {
-        const int j = j0 + ROPE_THREADS * u + threadIdx.x;
-        if (j < L) row[j] = to_t(w[u] * to_f(to_t(v[u] * r)));
-      }
+      for (int u = 0; u < ROPE_BATCH; ++u)
+        if (index(j0, u) < L) row[index(j0, u)] = to_t(w[u] * to_f(to_t(v[u] * r)));
     }
 
   // Rope: warp w's lane p < R/2 rotates pair p of rows h = w - 1, w - 1 + warps, .. (h = -1: k_pe into the cache row;
