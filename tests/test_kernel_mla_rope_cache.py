@@ -22,6 +22,20 @@ def inputs(T, H, L, R, rows, dtype, device="cpu", seed=0):
     return rotary, cos, sin, kv_a, weight, q, slots
 
 
+def test_launch_sizes_are_the_cu_defines():
+    """The launch's block and absorb-token count are the .cu's #defines (the kernel indexes by its ROPE_THREADS, not
+    by blockDim: a launch of another size would leave latent values unwritten)."""
+    import re
+    from pathlib import Path
+
+    import kdray.kernels.mla_rope_cache as mod
+
+    src = (Path(mod.__file__).parent / "cuda" / "mla_rope_cache.cu").read_text()
+    found = re.findall(r"^#define (ROPE_THREADS|ABSORB_TOKENS) (\d+)", src, re.M)
+    defines = {name: int(value) for name, value in found}
+    assert defines == {"ROPE_THREADS": mod.ROPE_THREADS, "ABSORB_TOKENS": mod.ABSORB_TOKENS}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_equals_unfused_code(dtype):
     T, H, L, R, rows = 9, 4, 32, 8, 64
