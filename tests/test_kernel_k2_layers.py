@@ -12,7 +12,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache_reference
 from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
 from kdray.kernels.silu_mul import silu_mul_reference
-from kdray.kernels.w4a16_moe import w4a16_moe
+from kdray.kernels.w4a16_moe import ROUTE_PREP_MAX_T, w4a16_moe
 from kdray.model.batch import ForwardBatch, causal_tree_mask, prompt_chunks
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +80,8 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     assert rel_err(fused_kv, ref_kv) < 1e-2
 
 
-def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch):
+@pytest.mark.parametrize("T", [5, 40])  # routed in the MoE's prep launch / by moe_route before it
+def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T):
     """The MoE layer runs its shared experts on a side stream beside the router and the routed experts; the
     finalize waits for them. With the side stream held back ~25 ms, the layer still equals one whose shared experts
     run on the current stream (without the wait it would add a buffer the shared experts had not written yet)."""
@@ -88,7 +89,8 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch):
     model = random_model(cfg)
     moe = next(m for m in model.modules() if isinstance(m, k2.MoE))
     assert moe.shared is not None and cfg.quantization is not None
-    x = torch.randn(5, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
+    x = torch.randn(T, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
+    assert (T <= ROUTE_PREP_MAX_T) == (T == 5)
     side = torch.cuda.Stream()
 
     def held_back(device):

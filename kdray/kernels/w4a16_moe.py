@@ -264,8 +264,12 @@ def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch
                          f"{tuple(logits.shape)} on {logits.device}, w13_packed {tuple(w13_packed.shape)}")
     if not (x.is_cuda and 1 <= T <= ROUTE_PREP_MAX_T and E <= ROUTE_PREP_MAX_E):
         ids, weights = moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scale, local_experts)
-        _join(add_stream, x.device)  # w4a16_moe reads add from its start here
-        return w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add), ids, weights
+        if x.is_cuda:  # add's writer joins just before the finalize: its work runs beside the routing and the GEMMs
+            out = _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add,
+                                  add_stream=add_stream)
+        else:
+            out = w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add)
+        return out, ids, weights
     check_cuda_routing(E, top_k, n_group)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
@@ -352,7 +356,10 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
     operands = dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
                     topk_ids=topk_ids, topk_weights=topk_weights)
     if add is not None:
-        operands["add"] = add = add if add.is_contiguous() and add.data_ptr() % 16 == 0 else add.clone()
+        if not add.is_contiguous() or add.data_ptr() % 16:
+            _join(add_stream, x.device)  # the copy reads add here
+            add = add.clone()
+        operands["add"] = add
     _check_cuda(x, operands, E, H, I, k, group)
     dev = x.device
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
