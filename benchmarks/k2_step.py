@@ -5,7 +5,9 @@
 The shard is ``kdray.model.k2.K2Model`` built from a ``K2Config`` at K2's dimensions divided for TP8 (8 of 64
 heads, expert width 2048/8, dense width 18432/8, vocabulary 163840/8; q/kv down-projections and the router
 whole), its parameters filled with random values in place on the GPU (INT4 experts as random bytes: every
-nibble uniform, so no expert row shares a common-mode part and tokens route apart as K2's do).
+nibble uniform, so no expert row shares a common-mode part). Tokens route apart in the first layers; deeper, the
+random attention gives a batch's tokens a common part that grows with depth, and they lean to the same experts
+(RESULTS.md, session 58: at layer 50 of a 1024-token prefill, 724 tokens choose one expert).
 A grid cell ``BxN`` is a batch of B sequences, each verifying 1 + N tokens (the bonus token and an N-node draft;
 N = 0 is plain decoding) after a cached prefix of ``--prefix`` tokens; the draft is a chain (a tree of the same
 size costs the same: every kernel reads the whole mask tile). The pass ends with the vocabulary-parallel logits.
