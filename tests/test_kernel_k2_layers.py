@@ -98,12 +98,15 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T):
             torch.cuda._sleep(50_000_000)  # cycles
         return side
 
+    def current(device):
+        return torch.cuda.current_stream(device)
+
     with torch.no_grad():
-        monkeypatch.setattr(k2, "_side_stream", lambda device: torch.cuda.current_stream(device))
+        monkeypatch.setattr(k2, "_side_stream", current)
         moe(-x)  # loads the kernels, whose first-call host time would hide a missing wait; leaves -x's output stale
         monkeypatch.setattr(k2, "_side_stream", held_back)
         beside = moe(x).float()  # before one_stream: a buffer reused from it would already hold the right output
-        monkeypatch.setattr(k2, "_side_stream", lambda device: torch.cuda.current_stream(device))
+        monkeypatch.setattr(k2, "_side_stream", current)
         one_stream = moe(x).float()
     torch.cuda.synchronize()
     assert torch.isfinite(beside).all()
