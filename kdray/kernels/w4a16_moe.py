@@ -233,14 +233,16 @@ def random_int4_experts(E: int, H: int, I: int, device="cuda", generator: torch.
 
 def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
               w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              add: torch.Tensor | None = None) -> torch.Tensor:
+              add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """Routed experts over INT4 weights; ``x [T, H]`` -> ``[T, H]`` in ``x.dtype`` (plus ``add [T, H]`` if given).
 
     ``w13_packed [E, 2I, H/8]`` int32, ``w13_scale [E, 2I, H/g]`` bf16, ``w2_packed [E, H, I/8]`` int32,
-    ``w2_scale [E, H, I/g]`` bf16, ``topk_ids [T, k]`` int64 (-1 = skip), ``topk_weights [T, k]`` fp32.
+    ``w2_scale [E, H, I/g]`` bf16, ``topk_ids [T, k]`` int64 (-1 = skip), ``topk_weights [T, k]`` fp32;
+    ``add_stream``: ``add``'s writer (CUDA), waited for just before the finalize.
     """
     if x.is_cuda:
-        return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
+        return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add,
+                               add_stream=add_stream)
     return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
 
 
@@ -264,11 +266,8 @@ def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch
                          f"{tuple(logits.shape)} on {logits.device}, w13_packed {tuple(w13_packed.shape)}")
     if not (x.is_cuda and 1 <= T <= ROUTE_PREP_MAX_T and E <= ROUTE_PREP_MAX_E):
         ids, weights = moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scale, local_experts)
-        if x.is_cuda:  # add's writer joins just before the finalize: its work runs beside the routing and the GEMMs
-            out = _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add,
-                                  add_stream=add_stream)
-        else:
-            out = w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add)
+        # add's writer joins just before the finalize: its work runs beside the routing and the GEMMs
+        out = w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add, add_stream=add_stream)
         return out, ids, weights
     check_cuda_routing(E, top_k, n_group)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
