@@ -1,12 +1,12 @@
-"""The TP all-reduce a K2 layer ends in, with the residual add and RMSNorm after it: NCCL + ``add_rmsnorm`` against
-the one-shot peer kernel (``kernels/peer_all_reduce.py``), fused, from CUDA graphs.
+"""The TP all-reduce a K2 layer's norms begin with (the residual rides in rank 0's part), with the RMSNorm: NCCL +
+``rmsnorm`` against the one-shot peer kernel (``kernels/peer_all_reduce.py``), fused, from CUDA graphs.
 
     python -m benchmarks.all_reduce [--tokens 1 8 65 257] [--dim 7168]
 
 With two or more GPUs, one process per GPU (``--gpus``, default all): each call of a row is a graph of ``CALLS``
 layer ends replayed together by every rank, time per call = the replay's time / CALLS (median of ``REPEATS``).
 With one GPU only the kernel itself can be timed: ``--gpus 1`` runs two ranks as two streams of that GPU (their
-"peer" reads are local memory), against ``add_rmsnorm`` alone; NCCL cannot run two ranks on one GPU.
+"peer" reads are local memory), against ``rmsnorm`` alone; NCCL cannot run two ranks on one GPU.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from kdray.kernels.peer_all_reduce import buffer_bytes, peer_all_reduce  # noqa: E402
-from kdray.kernels.rmsnorm import add_rmsnorm  # noqa: E402
+from kdray.kernels.rmsnorm import rmsnorm  # noqa: E402
 
 CALLS, REPEATS = 20, 7
 
@@ -60,20 +60,19 @@ def graph_time_us(run, streams: list[torch.cuda.Stream]) -> float:
 
 
 def one_gpu(tokens: list[int], dim: int):
-    """Two ranks as two streams of one GPU: the peer kernel's own time against add_rmsnorm's."""
+    """Two ranks as two streams of one GPU: the peer kernel's own time against rmsnorm's."""
     world, dtype = 2, torch.bfloat16
     max_bytes = max(tokens) * dim * 2
     bufs = [torch.zeros(buffer_bytes(max_bytes), dtype=torch.uint8, device="cuda") for _ in range(world)]
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
     w = torch.ones(dim, dtype=dtype, device="cuda")
     print(f"# one {torch.cuda.get_device_name()}: 2 ranks as streams, hidden {dim} bf16, us per call from graphs")
-    print("| tokens | add_rmsnorm alone | peer all-reduce + add + norm (2 ranks, one GPU) |")
+    print("| tokens | rmsnorm alone | peer all-reduce + norm (2 ranks, one GPU) |")
     print("|---|---|---|")
     for t in tokens:
         xs = [torch.randn(t, dim, device="cuda").to(dtype) for _ in range(world)]
-        res = torch.randn(t, dim, device="cuda").to(dtype)
-        alone = graph_time_us(lambda r: add_rmsnorm(xs[r], res, w, 1e-6), [torch.cuda.Stream()])
-        peer = graph_time_us(lambda r: peer_all_reduce(bases, r, max_bytes, xs[r], res, w, 1e-6),
+        alone = graph_time_us(lambda r: rmsnorm(xs[r], w, 1e-6), [torch.cuda.Stream()])
+        peer = graph_time_us(lambda r: peer_all_reduce(bases, r, max_bytes, xs[r], w, 1e-6),
                              [torch.cuda.Stream() for _ in range(world)])
         print(f"| {t} | {alone:.1f} | {peer:.1f} |")
 
@@ -90,11 +89,10 @@ def _rank(rank: int, world: int, port: int, tokens: list[int], dim: int, out):
     rows = []
     for t in tokens:
         x = torch.randn(t, dim, device="cuda").to(dtype)
-        res = torch.randn(t, dim, device="cuda").to(dtype)
-        group.peer = None  # NCCL, then the unfused norm
-        nccl = graph_time_us(lambda r: group.all_reduce_add_rmsnorm(x, res, w, 1e-6), [stream])
+        group.peer = None  # NCCL, then the norm
+        nccl = graph_time_us(lambda r: group.all_reduce_rmsnorm(x, w, 1e-6), [stream])
         group.peer = peer
-        fused = (graph_time_us(lambda r: group.all_reduce_add_rmsnorm(x, res, w, 1e-6), [stream])
+        fused = (graph_time_us(lambda r: group.all_reduce_rmsnorm(x, w, 1e-6), [stream])
                  if peer.fits(x) else float("nan"))
         rows.append((t, t * dim * 2, nccl, fused))
     torch.cuda.synchronize()
@@ -116,9 +114,8 @@ def gpus(world: int, tokens: list[int], dim: int):
     name, rows = out.get(timeout=600)
     for p in procs:
         p.join()
-    print(f"# {world} x {name}, hidden {dim} bf16, us per layer end (all-reduce + residual add + RMSNorm) "
-          "from graphs")
-    print("| tokens | bytes | NCCL + add_rmsnorm | peer, fused | peer / NCCL |")
+    print(f"# {world} x {name}, hidden {dim} bf16, us per norm (all-reduce + RMSNorm) from graphs")
+    print("| tokens | bytes | NCCL + rmsnorm | peer, fused | peer / NCCL |")
     print("|---|---|---|---|---|")
     for t, nbytes, nccl, fused in rows:
         print(f"| {t} | {nbytes} | {nccl:.1f} | {fused:.1f} | {fused / nccl:.2f} |")

@@ -11,7 +11,7 @@ from gpu_checks import poison_allocator
 
 from kdray.engine.args import EngineArgs
 from kdray.kernels.peer_all_reduce import buffer_bytes, peer_all_reduce, peer_all_reduce_reference
-from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm_reference
+from kdray.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 
 
 def test_reference_sums_in_rank_order_in_fp32_rounded_once():
@@ -20,9 +20,9 @@ def test_reference_sums_in_rank_order_in_fp32_rounded_once():
     got = peer_all_reduce_reference([a, b, b])
     assert got[0, 0].item() == 1 + 2.0 ** -7  # bf16 adds one at a time would drop each 2^-8 against 1.0
     assert ((a + b) + b)[0, 0].item() == 1.0 and got[0, 1].item() == 5.0
-    w, r = torch.full((2,), 0.5, dtype=torch.bfloat16), torch.ones(1, 2, dtype=torch.bfloat16)
-    out, s = peer_all_reduce_reference([a, b], r, w, 1e-6)
-    assert torch.equal(s, (a.float() + b.float()).to(torch.bfloat16) + r)
+    w = torch.full((2,), 0.5, dtype=torch.bfloat16)
+    out, s = peer_all_reduce_reference([a, b], w, 1e-6)
+    assert torch.equal(s, (a.float() + b.float()).to(torch.bfloat16))
     assert torch.equal(out, rmsnorm_reference(s, w, 1e-6))
 
 
@@ -30,8 +30,6 @@ def test_bad_calls_are_clear():
     bases = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="1 to 8 ranks, got rank 2 of 2"):
         peer_all_reduce(bases, 2, 1 << 20, torch.zeros(1, 8))
-    with pytest.raises(ValueError, match="residual and weight together"):
-        peer_all_reduce(bases, 0, 1 << 20, torch.zeros(1, 8), residual=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="needs a CUDA"):
         peer_all_reduce(bases, 0, 1 << 20, torch.zeros(1, 8))
 
@@ -55,14 +53,14 @@ class Ranks:
         self.streams = [torch.cuda.Stream() for _ in range(world)]
         torch.cuda.synchronize()
 
-    def call(self, parts, residual=None, weight=None, eps=1e-6) -> list:
+    def call(self, parts, weight=None, eps=1e-6) -> list:
         """Every rank's call on its own stream (they meet on the GPU), its result per rank."""
         outs = []
         main = torch.cuda.current_stream()
         for r, s in enumerate(self.streams):
             s.wait_stream(main)
             with torch.cuda.stream(s):
-                outs.append(peer_all_reduce(self.bases, r, self.max_bytes, parts[r], residual, weight, eps))
+                outs.append(peer_all_reduce(self.bases, r, self.max_bytes, parts[r], weight, eps))
         for s in self.streams:
             main.wait_stream(s)
         torch.cuda.synchronize()
@@ -96,16 +94,15 @@ def test_kernel_equals_reference_on_every_rank(world, calls, dim, dtype):
     w = (1 + 0.1 * torch.randn(dim, generator=g, device="cuda")).to(dtype)
     for i, rows in enumerate(calls):
         parts = _parts(world, (rows, dim), dtype, 10 * i)
-        residual = torch.randn(rows, dim, generator=g, device="cuda").to(dtype)
         ref = peer_all_reduce_reference(parts)
         poison_allocator()
         for got in ranks.call(parts):  # plain: the reference's bits on every rank
             assert torch.equal(got, ref), (i, rows)
         poison_allocator()
-        fused = ranks.call(parts, residual, w, 1e-6)
-        want = add_rmsnorm(ref, residual, w, 1e-6)  # the unfused CUDA kernels on the reduced rows
+        fused = ranks.call(parts, w, 1e-6)
+        want = rmsnorm(ref, w, 1e-6)  # the unfused CUDA kernel on the reduced rows
         for out, s in fused:
-            assert torch.equal(s, want[1]) and torch.equal(out, want[0]), (i, rows)
+            assert torch.equal(s, ref) and torch.equal(out, want), (i, rows)
 
 
 @pytest.mark.gpu
@@ -127,28 +124,26 @@ def test_graph_replays_equal_reference(world):
     g = torch.Generator("cuda").manual_seed(2)
     w = (1 + 0.1 * torch.randn(dim, generator=g, device="cuda")).to(dtype)
     xs = [torch.zeros(rows, dim, dtype=dtype, device="cuda") for _ in range(world)]
-    res = torch.zeros(rows, dim, dtype=dtype, device="cuda")
     ranks.call(_parts(world, (rows, dim), dtype, 0))  # compiled, and the counts past zero
     graphs, outs = [], []
     for r, s in enumerate(ranks.streams):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=s):
-            outs.append(peer_all_reduce(ranks.bases, r, ranks.max_bytes, xs[r], res, w, 1e-6))
+            outs.append(peer_all_reduce(ranks.bases, r, ranks.max_bytes, xs[r], w, 1e-6))
         graphs.append(graph)
     torch.cuda.synchronize()
     for i in range(6):
         parts = _parts(world, (rows, dim), dtype, 100 + i)
         for x, p in zip(xs, parts):
             x.copy_(p)
-        res.normal_(generator=g)
         torch.cuda.synchronize()
         for graph, s in zip(graphs, ranks.streams):
             with torch.cuda.stream(s):
                 graph.replay()
         torch.cuda.synchronize()
-        want = add_rmsnorm(peer_all_reduce_reference(parts), res, w, 1e-6)
+        ref = peer_all_reduce_reference(parts)
         for out, s in outs:
-            assert torch.equal(s, want[1]) and torch.equal(out, want[0]), i
+            assert torch.equal(s, ref) and torch.equal(out, rmsnorm(ref, w, 1e-6)), i
         if i % 2:  # an eager call between replays
             assert all(torch.equal(o, peer_all_reduce_reference(parts)) for o in ranks.call(parts))
 
@@ -172,7 +167,7 @@ def _ipc_rank(rank, port, results):
         assert peer.fits(x)
         got.append(peer.all_reduce(x).float().cpu().numpy())  # numpy: no tensor sharing between processes
         w = torch.full((7168,), 0.75, dtype=torch.bfloat16, device="cuda")
-        got.append([t.float().cpu().numpy() for t in peer.all_reduce_add_rmsnorm(x, x * 0 + 1, w, 1e-6)])
+        got.append([t.float().cpu().numpy() for t in peer.all_reduce_rmsnorm(x, w, 1e-6)])
     torch.cuda.synchronize()
     store.set(f"done/{rank}", "1")
     store.wait(["done/0", "done/1"])  # neither frees its buffer while the other may still read it
@@ -196,12 +191,12 @@ def test_two_processes_share_buffers_through_ipc():
     w = torch.full((7168,), 0.75, dtype=torch.bfloat16, device="cuda")
     for i, rows in enumerate([1, 7, 1]):
         ref = peer_all_reduce_reference(_parts(2, (rows, 7168), torch.bfloat16, i))
-        want = add_rmsnorm(ref, torch.ones_like(ref), w, 1e-6)
+        want = rmsnorm(ref, w, 1e-6)
         for r in range(2):
             plain, (out, s) = got[r][0][2 * i], got[r][0][2 * i + 1]
             assert torch.equal(torch.from_numpy(plain).cuda().bfloat16(), ref)
-            assert torch.equal(torch.from_numpy(s).cuda().bfloat16(), want[1])
-            assert torch.equal(torch.from_numpy(out).cuda().bfloat16(), want[0])
+            assert torch.equal(torch.from_numpy(s).cuda().bfloat16(), ref)
+            assert torch.equal(torch.from_numpy(out).cuda().bfloat16(), want)
     assert not got[0][1] and not got[1][1]  # 16 MiB is past the buffers: NCCL's
 
 

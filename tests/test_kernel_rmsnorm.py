@@ -1,10 +1,12 @@
-"""rmsnorm / add_rmsnorm: the reference equals the unfused layer code (CPU), the CUDA kernel the reference (GPU)."""
+"""rmsnorm: the reference equals the unfused layer code (CPU), the CUDA kernel the reference (GPU); the module with a
+group reduces before it normalises."""
 import pytest
 import torch
 from gpu_checks import poison_allocator
 
-from kdray.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kdray.kernels.rmsnorm import rmsnorm
 from kdray.model.layers import RMSNorm
+from kdray.model.parallel import Collectives
 
 
 def unfused_norm(x, weight, eps):
@@ -18,26 +20,30 @@ def unfused_norm(x, weight, eps):
 def test_reference_equals_unfused_code(dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 3, 96, generator=g).to(dtype)
-    r = torch.randn(7, 3, 96, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
     assert torch.equal(rmsnorm(x, w, 1e-6), unfused_norm(x, w, 1e-6))
-    out, s = add_rmsnorm(x, r, w, 1e-5)
-    assert torch.equal(s, x + r) and torch.equal(out, unfused_norm(r + x, w, 1e-5))
 
 
-def test_module_with_residual_returns_norm_and_sum():
+class Tripling(Collectives):
+    """A stand-in group of three ranks holding the same partial sum."""
+
+    rank, size = 0, 3
+
+    def all_reduce(self, t):
+        return 3 * t
+
+
+def test_module_with_a_group_reduces_then_returns_norm_and_sum():
     norm = RMSNorm(32, 1e-6, torch.float32)
     norm.weight.data.uniform_(0.5, 1.5)
-    x, h = torch.randn(5, 32), torch.randn(5, 32)
-    y, s = norm(x, h)
-    assert torch.equal(s, h + x) and torch.equal(y, norm(h + x))
+    x = torch.randn(5, 32)
+    y, s = norm(x, Tripling())
+    assert torch.equal(s, 3 * x) and torch.equal(y, norm(3 * x))
 
 
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="weight"):
         rmsnorm(torch.randn(3, 8), torch.ones(4), 1e-6)
-    with pytest.raises(ValueError, match="residual"):
-        add_rmsnorm(torch.randn(3, 8), torch.randn(2, 8), torch.ones(8), 1e-6)
 
 
 CASES = [  # leading shape, dim, dtype: ragged rows, odd dims (narrower accesses), K2's norms
@@ -67,16 +73,11 @@ def _tol(dtype):
 def test_cuda_matches_reference(lead, dim, dtype):
     g = torch.Generator("cuda").manual_seed(dim + len(lead))
     for _ in range(2):  # fresh inputs each round
-        x = torch.randn(*lead, dim, device="cuda", generator=g).to(dtype)
-        r = (3 * torch.randn(*lead, dim, device="cuda", generator=g)).to(dtype)
+        x = (3 * torch.randn(*lead, dim, device="cuda", generator=g)).to(dtype)
         w = (1 + 0.1 * torch.randn(dim, device="cuda", generator=g)).to(dtype)
         poison_allocator()
         out = rmsnorm(x, w, 1e-6)
         torch.testing.assert_close(out, unfused_norm(x, w, 1e-6), **_tol(dtype))
-        poison_allocator()
-        out, s = add_rmsnorm(x, r, w, 1e-5)
-        assert torch.equal(s, x + r)
-        torch.testing.assert_close(out, unfused_norm(x + r, w, 1e-5), **_tol(dtype))
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """skinny_linear and skinny_bmm: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), with
-16-bit and fp32 outputs, K split over clusters of 1 to 8 blocks, in and out of CUDA graphs."""
+16-bit and fp32 outputs, added into ``out`` or not, K split over clusters of 1 to 8 blocks, in and out of CUDA
+graphs."""
 import pytest
 import torch
 from gpu_checks import poison_allocator
@@ -23,6 +24,16 @@ def test_out_is_written_or_refused_naming_what_it_must_be():
     for bad in (torch.empty(3, 41), torch.empty(40, 3).t(), torch.empty(3, 40, dtype=torch.float64)):
         with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of shape \(3, 40\)"):
             skinny_linear(x, w, out=bad)
+
+
+def test_accumulate_adds_into_out_in_place():
+    x, w = torch.randn(3, 256), torch.randn(40, 256)
+    stream = torch.randn(3, 40)
+    out = stream.clone()
+    assert skinny_linear(x, w, out=out, accumulate=True) is out
+    torch.testing.assert_close(out, stream + torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="accumulate adds into out: give out"):
+        skinny_linear(x, w, accumulate=True)
 
 
 def test_out_dtype_is_x_dtype_or_fp32():
@@ -83,6 +94,28 @@ def test_cuda_out_is_written_as_a_new_tensor_would_be(M):
     w = (torch.randn(7168, 512, device="cuda", generator=g) / 512 ** 0.5).bfloat16().t().contiguous()
     out = torch.full((M, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert skinny_linear(x, w, out=out) is out and torch.equal(out, skinny_linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(7168, 1024), (7168, 256), (576, 7168), (100, 768)])  # unsplit, split, odd rows
+def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
+    """A decoder layer's o_proj and down projection add into the residual stream: at one row on the kernel (its K
+    split or not) out + x w^T summed in fp32 and rounded once; past it on cuBLAS (beta = 1), whose split-K GEMMs at
+    a few rows may round a partial sum first (within an ulp of the stream's values where the sum cancels)."""
+    g = torch.Generator("cuda").manual_seed(N + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    for M in (1, 3):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        stream = (4 * torch.randn(M, N, device="cuda", generator=g)).bfloat16()
+        poison_allocator()
+        out = stream.clone()
+        assert skinny_linear(x, w, out=out, accumulate=True) is out
+        want = (x.float() @ w.float().t() + stream.float()).bfloat16()
+        torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -5)
+        if M == 1:  # one rounding: nearer the exact sums, over the rows, than the product rounded first, then added
+            twice = (skinny_linear(x, w).float() + stream.float()).bfloat16()
+            exact = x.double() @ w.double().t() + stream.double()
+            assert (out.double() - exact).abs().sum() < (twice.double() - exact).abs().sum()
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Groups of actors that exchange tensors: gloo over ``torch.distributed`` (CPU) and NCCL through CuPy (GPU).
 
 Both have the shape of :data:`kdray.model.parallel.SINGLE` (``rank``, ``size``, ``all_reduce``,
-``all_gather``, ``all_reduce_add_rmsnorm``), so the model layers take them as their tensor-parallel group,
+``all_gather``, ``all_reduce_rmsnorm``), so the model layers take them as their tensor-parallel group,
 plus ``broadcast``, ``send`` and ``recv`` for the drafter <-> shard link. An NCCL group made with ``peer``
 (backend ``nccl-peer``) sends small all-reduces through the one-shot peer kernel (``peer_memory.py``).
 Ranks meet at a ``TCPStore`` that the engine hosts: each rank announces itself and waits (bounded) for
@@ -107,7 +107,7 @@ class NcclGroup(Collectives):
     Rank 0 makes the unique id and publishes it through the engine's store; ``ncclCommInitRank``
     starts only once every rank has announced itself, so a missing rank is named instead of hanging.
     With ``peer``, all-reduces that fit the peer buffers (a few tokens' rows) run the one-shot peer kernel,
-    the layers' fused with the residual add and RMSNorm after them; larger ones run NCCL.
+    the layers' fused with the RMSNorm after them; larger ones run NCCL.
     """
 
     def __init__(self, store: dist.Store, name: str, rank: int, size: int, timeout_s: float, peer: bool = False):
@@ -157,10 +157,10 @@ class NcclGroup(Collectives):
         self._comm.allReduce(ptr, ptr, n, dt, self._nccl.NCCL_SUM, self._stream())
         return t
 
-    def all_reduce_add_rmsnorm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_rmsnorm(self, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
         if self.peer is not None and self.peer.fits(x):
-            return self.peer.all_reduce_add_rmsnorm(x, residual, weight, eps)
-        return super().all_reduce_add_rmsnorm(x, residual, weight, eps)
+            return self.peer.all_reduce_rmsnorm(x, weight, eps)
+        return super().all_reduce_rmsnorm(x, weight, eps)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``t`` concatenated along ``dim`` in rank order."""

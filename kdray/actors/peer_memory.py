@@ -15,10 +15,10 @@ from kdray.kernels.peer_all_reduce import MAX_WORLD, buffer_bytes, peer_all_redu
 from kdray.kernels.rmsnorm import DTYPES, MAX_VECS
 
 # Bytes a rank reads from its peers in one call at most: a message of up to READ_BYTES / (ranks - 1) goes one-shot
-# (at TP = 2, 73 of K2's token rows), a larger one through NCCL. Ours, fused with the residual add and RMSNorm, two
-# ranks sharing one H100 (benchmarks/all_reduce.py): 6.7 us at 1 token, 11.9 at 65, 62.3 at 257 (one block works
-# through its rows in turn); NCCL alone on two H200s took 13.4 / 17.5 / 35.6 us (design.md section 8). To be
-# re-measured on two GPUs.
+# (at TP = 2, 73 of K2's token rows), a larger one through NCCL. Ours, fused with the residual add (since removed:
+# rank 0's part carries the residual) and RMSNorm, two ranks sharing one H100 (benchmarks/all_reduce.py): 6.7 us at
+# 1 token, 11.9 at 65, 62.3 at 257 (one block works through its rows in turn); NCCL alone on two H200s took 13.4 /
+# 17.5 / 35.6 us (design.md section 8). To be re-measured on two GPUs.
 READ_BYTES = 1 << 20
 
 
@@ -66,9 +66,9 @@ class PeerAllReduce:
         """The sum over the ranks, a new tensor (``fits(x)`` must hold)."""
         return peer_all_reduce(self.bases, self.rank, self.max_bytes, _aligned(x))
 
-    def all_reduce_add_rmsnorm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``rmsnorm(s)``, ``s``), ``s = sum(x) + residual``, in one launch (``fits(x)`` must hold)."""
-        return peer_all_reduce(self.bases, self.rank, self.max_bytes, _aligned(x), _aligned(residual), weight, eps)
+    def all_reduce_rmsnorm(self, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``rmsnorm(s)``, ``s``), ``s = sum(x)``, in one launch (``fits(x)`` must hold)."""
+        return peer_all_reduce(self.bases, self.rank, self.max_bytes, _aligned(x), weight, eps)
 
     def close(self):
         """Unmap the peers' buffers and free this rank's (after every rank's last call has finished)."""

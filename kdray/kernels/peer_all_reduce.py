@@ -1,12 +1,13 @@
-"""One-shot all-reduce over peer buffers, alone or fused with the residual add and RMSNorm after it.
+"""One-shot all-reduce over peer buffers, alone or fused with the RMSNorm after it.
 
 A tensor-parallel layer ends in an all-reduce of a few rows (one token's hidden state is 14 KiB for K2): latency,
 not bandwidth. Each rank copies its rows into a buffer that every rank has mapped (CUDA IPC; plain loads and stores
 over NVLink, never multicast), flags each rank, waits for their flags, and sums the ranks' rows in rank order in
-fp32, rounded once: every rank gets the same bits (at two ranks, NCCL's). With a norm weight the kernel then adds
-the residual and normalises each row as ``kernels/cuda/rmsnorm.cu`` does, so the result equals
-``add_rmsnorm(reduced, residual, weight, eps)`` bit for bit. One launch of ``cuda/peer_all_reduce.cu`` on torch's
-current stream, no host sync (CUDA-graph capturable: the call counts live in the buffers).
+fp32, rounded once: every rank gets the same bits (at two ranks, NCCL's). With a norm weight the kernel also
+normalises each row as ``kernels/cuda/rmsnorm.cu`` does, so the norm equals ``rmsnorm(reduced, weight, eps)`` bit
+for bit (a decoder layer's residual is already in rank 0's part: ``model/layers.py``). One launch of
+``cuda/peer_all_reduce.cu`` on torch's current stream, no host sync (CUDA-graph capturable: the call counts live in
+the buffers).
 
 ``bases`` holds every rank's buffer address in this process (its own included); each buffer is
 :func:`buffer_bytes` long and zeroed before first use (``kdray/actors/peer_memory.py`` makes them).
@@ -29,31 +30,25 @@ def buffer_bytes(max_bytes: int) -> int:
     return HEADER + 2 * max_bytes
 
 
-def peer_all_reduce_reference(parts: list[torch.Tensor], residual: torch.Tensor | None = None,
-                              weight: torch.Tensor | None = None, eps: float = 0.0):
-    """Every rank's ``[rows, dim]`` part summed in rank order in fp32 and rounded once; with ``residual``, also
-    ``reduced + residual``; with ``weight``, (``rmsnorm(stream)``, stream) as ``add_rmsnorm`` returns them."""
+def peer_all_reduce_reference(parts: list[torch.Tensor], weight: torch.Tensor | None = None, eps: float = 0.0):
+    """Every rank's ``[rows, dim]`` part summed in rank order in fp32 and rounded once; with ``weight``,
+    (``rmsnorm(sum)``, sum)."""
     s = parts[0].float()
     for p in parts[1:]:  # rank order
         s = s + p.float()
     s = s.to(parts[0].dtype)
-    if residual is not None:
-        s = s + residual
     if weight is None:
         return s
     return rmsnorm_reference(s, weight, eps), s
 
 
 def peer_all_reduce(bases: torch.Tensor, rank: int, max_bytes: int, x: torch.Tensor,
-                    residual: torch.Tensor | None = None, weight: torch.Tensor | None = None, eps: float = 0.0):
-    """x ``[..., dim]`` (this rank's part) -> the sum over the ranks ``[..., dim]``; with ``residual`` and
-    ``weight`` -> (``rmsnorm(sum + residual)``, ``sum + residual``). Every rank must make the same calls in the
-    same order with the same shapes."""
+                    weight: torch.Tensor | None = None, eps: float = 0.0):
+    """x ``[..., dim]`` (this rank's part) -> the sum over the ranks ``[..., dim]``; with ``weight`` ->
+    (``rmsnorm(sum)``, sum). Every rank must make the same calls in the same order with the same shapes."""
     world = bases.numel()
     if not 1 <= world <= MAX_WORLD or not 0 <= rank < world:
         raise ValueError(f"peer all-reduce takes 1 to {MAX_WORLD} ranks, got rank {rank} of {world}")
-    if (residual is None) != (weight is None):
-        raise ValueError("peer all-reduce: give residual and weight together (the fused add and norm), or neither")
     if not x.is_cuda or x.dtype not in DTYPES or bases.device != x.device or bases.dtype != torch.int64:
         raise ValueError(f"peer all-reduce needs a CUDA float32/bfloat16/float16 x and int64 bases on its device, "
                          f"got x {x.dtype} on {x.device}, bases {bases.dtype} on {bases.device}")
@@ -62,15 +57,15 @@ def peer_all_reduce(bases: torch.Tensor, rank: int, max_bytes: int, x: torch.Ten
                          f"exceeds the buffers' {max_bytes} bytes; use the NCCL path for it")
     dim = x.shape[-1]
     x2 = as_rows(x)  # [rows, dim]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., dim]
-    tensors = [x2, out.view(-1, dim)]
-    r2, res_out = None, None
-    if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (dim,) or weight.dtype != x.dtype:
-            raise ValueError(f"peer all-reduce: residual {tuple(residual.shape)} {residual.dtype} and weight "
-                             f"{tuple(weight.shape)} {weight.dtype} must match x {tuple(x.shape)} {x.dtype}")
-        r2, res_out, weight = as_rows(residual), torch.empty_like(out), weight.contiguous()
-        tensors += [r2, res_out.view(-1, dim), weight.view(1, dim)]
+    reduced = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., dim]: the sum
+    tensors = [x2, reduced.view(-1, dim)]
+    normed = None
+    if weight is not None:
+        if weight.shape != (dim,) or weight.dtype != x.dtype:
+            raise ValueError(f"peer all-reduce: weight {tuple(weight.shape)} {weight.dtype} must match x's rows "
+                             f"({dim} of {x.dtype})")
+        normed, weight = torch.empty_like(reduced), weight.contiguous()  # [..., dim]
+        tensors += [normed.view(-1, dim), weight.view(1, dim)]
     vec = vector_elems(dim, tensors)
     nvec = dim // vec
     if vec * x.element_size() != 16 or nvec > MAX_VECS:
@@ -80,8 +75,7 @@ def peer_all_reduce(bases: torch.Tensor, rank: int, max_bytes: int, x: torch.Ten
     if rows:
         launch("peer_all_reduce", "peer_all_reduce", (BLOCKS,), (norm_threads(nvec, rows, x.device),),
                (bases, np.int32(rank), np.int32(world), np.int64(max_bytes // x.element_size()),
-                x2, np.int64(x2.stride(0)), np.int32(rows), np.int32(dim),
-                0 if r2 is None else r2, np.int64(0 if r2 is None else r2.stride(0)), 0 if res_out is None else res_out,
-                0 if weight is None else weight, out, np.float32(eps)),
+                x2, np.int64(x2.stride(0)), np.int32(rows), np.int32(dim), reduced,
+                0 if weight is None else weight, 0 if normed is None else normed, np.float32(eps)),
                device=x.device, defines=(("DTYPE", DTYPES[x.dtype]), ("VEC", vec)))
-    return out if weight is None else (out, res_out)
+    return reduced if weight is None else (normed, reduced)

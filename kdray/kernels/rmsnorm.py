@@ -1,9 +1,9 @@
-"""RMSNorm, alone or fused with the residual add before it: ``rmsnorm`` and ``add_rmsnorm``.
+"""RMSNorm: ``rmsnorm(x) = weight * (x * rsqrt(mean(x^2) + eps))``, normalised in fp32 and cast to ``x.dtype`` before
+the weight multiplies it (as HF computes it).
 
-``rmsnorm(x) = weight * (x * rsqrt(mean(x^2) + eps))``, normalised in fp32 and cast to ``x.dtype`` before the
-weight multiplies it (as HF computes it). ``add_rmsnorm(x, residual)`` returns ``(rmsnorm(s), s)`` with
-``s = x + residual``: the pre-norm decoder layer's ``h = h + f(...); y = norm(h)`` in one pass, as vLLM's and
-SGLang's fused add-RMSNorm do.
+A decoder layer's residual add is not here: each sublayer's last GEMM adds the stream into its output
+(``model/layers.py``), so the norm after it reads one tensor and writes one (vLLM's and SGLang's fused add-RMSNorm
+read two and write two: at 4096 K2 tokens 235 MB a norm against 118).
 
 CUDA tensors of float32 / bfloat16 / float16 (weight of the same dtype) run ``cuda/rmsnorm.cu``: one block per
 row, 16-byte accesses (with many rows up to ``NV`` per thread: a K2 row of 7168 bf16 in 224 threads), on torch's
@@ -34,20 +34,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight)
     if not _cuda_ok(x, weight):
         return rmsnorm_reference(x, weight, eps)
-    return _launch(x, None, weight, eps)[0]
-
-
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual ``[..., dim]``, weight ``[dim]`` -> (``rmsnorm(x + residual)``, ``x + residual``)."""
-    _check(x, weight)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-    if not (_cuda_ok(x, weight) and residual.device == x.device and residual.dtype == x.dtype
-            and not (torch.is_grad_enabled() and residual.requires_grad)):
-        s = x + residual
-        return rmsnorm_reference(s, weight, eps), s
-    return _launch(x, residual, weight, eps)
+    return _launch(x, weight, eps)
 
 
 def norm_threads(nvec: int, rows: int, device: torch.device) -> int:
@@ -70,15 +57,12 @@ def _cuda_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, weight, eps):
     dim = x.shape[-1]
     x2 = as_rows(x)
-    r2 = as_rows(residual) if residual is not None else None
     weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., dim]
-    res_out = torch.empty_like(out) if residual is not None else None
-    ins = [x2, weight, out.view(-1, dim)] + ([r2, res_out.view(-1, dim)] if residual is not None else [])
-    vec = vector_elems(dim, ins)
+    vec = vector_elems(dim, [x2, weight, out.view(-1, dim)])
     nvec = dim // vec
     if nvec > MAX_VECS:
         raise ValueError(f"rmsnorm rows of {dim} elements exceed the kernel's {MAX_VECS * vec} (1024 threads x {NV} "
@@ -86,7 +70,6 @@ def _launch(x, residual, weight, eps):
     rows = x2.shape[0]
     if rows:
         launch("rmsnorm", "rmsnorm", (rows,), (norm_threads(nvec, rows, x.device),),
-               (x2, np.int64(x2.stride(0)), 0 if r2 is None else r2, np.int64(0 if r2 is None else r2.stride(0)),
-                0 if res_out is None else res_out, weight, out, np.int32(dim), np.float32(eps)),
+               (x2, np.int64(x2.stride(0)), weight, out, np.int32(dim), np.float32(eps)),
                device=x.device, defines=(("DTYPE", DTYPES[x.dtype]), ("VEC", vec)))
-    return out, res_out
+    return out

@@ -7,7 +7,8 @@ cluster's first block adding the partial sums from the others' shared memory (on
 scratch, capturable in a CUDA graph). fp32 accumulation, one rounding, as cuBLAS's bf16 GEMM does. Clusters need
 sm_90; on earlier GPUs a projection whose K would be split runs on cuBLAS (``kernel_splits``).
 
-The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums). The kernel compiles for up
+The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums); ``accumulate`` adds the
+product into ``out`` instead (a decoder layer's residual stream: see ``model/layers.py``). The kernel compiles for up
 to 8 rows of ``x`` (``M_ROWS``), but on the H200 it clearly beats cuBLAS at one row only (``benchmarks/bench_linear.py``
 with more rows allowed, 2026-12-03: 1.0-1.6x at 2 rows, 0.6-1.1x at 8; K2's 8x0 pass 9.7 -> 11.0 ms with it at 8
 rows, 4 tokens unchanged), so ``MAX_ROWS`` is 1. CUDA bf16 / fp16 inputs with at most ``MAX_ROWS`` rows,
@@ -56,9 +57,10 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in ``out_dtype``: x's dtype (None) or float32; written into
-    ``out`` (contiguous, x's dtype) when given, else into a new tensor."""
+    ``out`` (contiguous, x's dtype) when given, else into a new tensor. With ``accumulate``, ``out += x W^T``:
+    out's values join the fp32 sums before their one rounding (a GEMM's beta = 1; in place, no copy)."""
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"skinny_linear's out_dtype is x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     N, K = w.shape
@@ -67,11 +69,16 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         raise ValueError(f"skinny_linear's out must be a contiguous {x.dtype} tensor of shape "
                          f"{(*x.shape[:-1], N)} on {x.device}, got {out.dtype} {tuple(out.shape)} on {out.device} "
                          f"(contiguous: {out.is_contiguous()}), with out_dtype None")
+    if accumulate and out is None:
+        raise ValueError("skinny_linear's accumulate adds into out: give out")
     splits = kernel_splits(*w.shape, x.device) if fits(x, w) and (out is None or out.data_ptr() % 16 == 0) else 0
     if not splits:
         if out is None:
             return skinny_linear_reference(x, w, out_dtype)
-        torch.mm(x.reshape(-1, K), w.t(), out=out.view(-1, N))
+        if accumulate:
+            out.view(-1, N).addmm_(x.reshape(-1, K), w.t())
+        else:
+            torch.mm(x.reshape(-1, K), w.t(), out=out.view(-1, N))
         return out
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous() or x2.data_ptr() % 16:
@@ -79,7 +86,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     fp32_out = out_dtype == torch.float32
     y = torch.empty(x2.shape[0], N, dtype=torch.float32 if fp32_out else x.dtype, device=x.device) \
         if out is None else out.view(-1, N)  # [M, N]
-    _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out)
+    _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out, accumulate=accumulate)
     return y.view(*x.shape[:-1], N) if out is None else out
 
 
@@ -108,7 +115,7 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
     if not splits:
         return skinny_bmm_reference(x, w, out)
     G, R, K = w.shape
-    _launch(x, w, out, G * R, K, splits, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False)
+    _launch(x, w, out, G * R, K, splits, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False, accumulate=False)
     return out
 
 
@@ -119,13 +126,13 @@ def kernel_splits(N: int, K: int, device: torch.device) -> int:
     return splits if splits == 1 or sm90_or_later(device.index) else 0
 
 
-def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int, fp32_out: bool):
+def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int, fp32_out: bool, accumulate: bool):
     """The kernel over output rows N (groups of ``group_rows`` rows, ``w_pitch`` weight rows apart), K split over
-    ``splits`` blocks, one cluster a row group."""
+    ``splits`` blocks, one cluster a row group; ``accumulate``: y += the product."""
     launch("skinny_linear", "skinny_linear", (math.ceil(N / ROWS_PER_BLOCK), splits), (THREADS,),
            (x, w, y, np.int32(N), np.int32(K), np.int32(group_rows), np.int32(w_pitch)), device=x.device,
            defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", x.shape[0]), ("CLUSTER", splits))
-           + ((("OUT_F32", 1),) if fp32_out else ()))
+           + ((("OUT_F32", 1),) if fp32_out else ()) + ((("ACCUMULATE", 1),) if accumulate else ()))
 
 
 def k_splits(groups: int, steps: int, sm_count: int) -> int:

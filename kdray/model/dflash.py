@@ -20,7 +20,7 @@ from kdray.config import DFlashConfig, default_target_layer_ids
 from kdray.kernels.tree_verify_attention import gqa_tree_attention
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
-from kdray.model.layers import DecoderLayer, GatedMLP, Linear, RMSNorm, Rotary, final_norm
+from kdray.model.layers import DecoderLayer, GatedMLP, Linear, RMSNorm, Rotary
 
 
 class DFlashAttention(nn.Module):
@@ -46,11 +46,12 @@ class DFlashAttention(nn.Module):
         """x ``[n, H]`` -> normed, roped queries ``[n, heads, D]``."""
         return rotary(self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)), cos, sin)
 
-    def forward(self, x, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = self.kv(x, rotary, cos, sin).to(cache.dtype)
         o = gqa_tree_attention(self.q(x, rotary, cos, sin).contiguous(), cache, batch.block_table, batch.prefix_lens,
                                batch.cu_q, batch.tree_mask, self.head_dim ** -0.5)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return self.o_proj(o.reshape(x.shape[0], -1), add=residual)
 
     def forward_dense(self, x: torch.Tensor, ctx: torch.Tensor, rotary: Rotary, cos, sin, ctx_cos, ctx_sin,
                       mask: torch.Tensor) -> torch.Tensor:
@@ -111,11 +112,12 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """Block embeddings ``[T, H]`` (``T = B * block_size``; ``batch`` holds their positions and an all-ones
         mask over each block) -> hidden states ``[T, H]`` after the final norm."""
-        h, delta = block_embeds.to(self.dtype), None
+        # a copy of our own: the first layer adds into it in place
+        h = block_embeds.to(self.dtype, memory_format=torch.contiguous_format, copy=True)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, self.rotary, cos, sin, batch, cache[i])
-        return final_norm(self.norm, h, delta)
+        for i, layer in enumerate(self.layers):  # one shard: a layer's output is the stream itself
+            h = layer(h, True, self.rotary, cos, sin, batch, cache[i])
+        return self.norm(h)
 
     def forward_dense(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor,
                       context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -89,8 +89,9 @@ class MLAttention(nn.Module):
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]``, cache ``[P, S, kv_lora + rope]`` (this layer) -> ``[T, hidden]``.
+                batch: ForwardBatch, cache: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[T, hidden]``, cache ``[P, S, kv_lora + rope]`` (this layer) -> ``[T, hidden]`` (+ ``residual``, added
+        by o_proj over its storage).
 
         ``cos``/``sin`` ``[T, rope/2]`` come from ``rotary`` (DeepSeek's interleaved rope, applied here by
         ``mla_rope_cache``)."""
@@ -120,7 +121,7 @@ class MLAttention(nn.Module):
                                           longest=max(batch.q_lens))  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
             skinny_bmm(o_latent, w_uv, out)  # per head: one token on skinny_linear's kernel, else torch.bmm
-        return self.o_proj(out.reshape(T, self.heads * c.v_head_dim))
+        return self.o_proj(out.reshape(T, self.heads * c.v_head_dim), add=residual)
 
     def _plain(self, q, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
         """Causal attention per prompt with keys and values expanded per head: queries ``[T, Hl, nope + rope]`` (their
@@ -207,30 +208,34 @@ class MoE(nn.Module):
             self.register_buffer("w2_scale", torch.empty(El, H, Il // g, dtype=torch.bfloat16))
         self.shared = (GatedMLP(H, I * cfg.n_shared_experts, dtype, group) if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``: this rank's partial sum (its expert width or
-        its experts), which the norm after the layer reduces over the group."""
+        its experts), which the norm after the layer reduces over the group; plus ``residual`` where given (the
+        stream, on rank 0), whose storage the shared experts' down GEMM adds into."""
         cfg = self.cfg
         logits = skinny_linear(x, self.gate, out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
-        shared, side = None, None
+        add, side = residual, None  # what the routed experts' sum adds: the stream, then the shared experts
         if self.shared is not None:  # this rank's partial sum: reduced together with the routed experts'
             if x.is_cuda and cfg.quantization is not None:  # beside the routing and the routed experts
-                # Allocated on this stream, which reads it once the MoE's finalize has waited for the side stream:
-                # a block two streams use (record_stream) is not reused until a CUDA graph's capture ends, so a
-                # captured 64k-token pass held each layer's 0.9 GB and ran out of memory.
-                shared = torch.empty_like(x)  # [T, H]
+                # Into the stream or a block allocated on this stream, which reads it once the MoE's finalize has
+                # waited for the side stream: a block two streams use (record_stream) is not reused until a CUDA
+                # graph's capture ends, so a captured 64k-token pass held each layer's 0.9 GB and ran out of memory.
+                add = torch.empty_like(x) if residual is None else residual  # [T, H]
                 side = _side_stream(x.device)  # (forked after the router: the router goes first on the GPU)
                 side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):  # (no-op for None)
-                shared = skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight, out=shared)
+                with torch.cuda.stream(side):
+                    skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight, out=add,
+                                  accumulate=residual is not None)
+            else:
+                add = self.shared(x, residual)
         routing = (logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    cfg.norm_topk_prob, cfg.routed_scaling_factor, (self.e0, self.experts) if self.ep else None)
         if self.cfg.quantization is None:
             out = dense_experts(x, self.w13, self.w2, *moe_route(*routing))  # ids, weights [T, k]
-            out = out if shared is None else out + shared
-        else:  # few tokens: routed inside the MoE's first launch
-            out, _, _ = routed_w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, *routing,
-                                         add=shared, add_stream=side)
+            return out if add is None else out + add
+        # few tokens: routed inside the MoE's first launch
+        out, _, _ = routed_w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, *routing,
+                                     add=add, add_stream=side)
         return out
 
     def load(self, reader: CheckpointReader, prefix: str):

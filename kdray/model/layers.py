@@ -3,8 +3,9 @@
 Tensor parallelism is written into the layers: a linear's ``tp_dim`` says which weight dimension is
 split across the group (0: column-parallel, outputs split; 1: row-parallel, inputs split, each rank
 returning its partial sum) and ``load`` reads only this rank's slice from the checkpoint. A decoder
-layer's attention and MLP end in a row-parallel product; their partial sums are reduced over the group
-in the norm after them (``RMSNorm(x, residual, group)``), with the residual add, in one collective.
+layer's attention and MLP end in a row-parallel product that adds the residual stream into rank 0's partial sum
+(``Linear(x, add=stream)``, in place: a GEMM's beta = 1); the norm after them reduces the partial sums over the
+group and normalises the stream in one collective (``RMSNorm(x, group)``), reading one tensor and writing one.
 """
 from __future__ import annotations
 
@@ -27,20 +28,18 @@ from kdray.model.parallel import SINGLE, shard_range, vocab_range
 class RMSNorm(nn.Module):
     """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as HF computes it.
 
-    ``norm(x)`` returns the normalised ``x``; ``norm(x, residual)`` adds first and returns
-    ``(norm(x + residual), x + residual)`` (one fused kernel on a GPU); ``norm(x, residual, group)`` takes ``x``
-    as this rank's partial sum and reduces it over the tensor-parallel group first, in the same call."""
+    ``norm(x)`` returns the normalised ``x``; ``norm(x, group)`` takes ``x`` as this rank's partial sum, reduces it
+    over the tensor-parallel group first and returns ``(norm(sum), sum)``, in one collective."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, group=SINGLE
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+    def forward(self, x: torch.Tensor, group=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if group is None:
             return rmsnorm(x, self.weight, self.eps)
-        return group.all_reduce_add_rmsnorm(x, residual, self.weight, self.eps)
+        return group.all_reduce_rmsnorm(x, self.weight, self.eps)
 
     def load(self, reader: CheckpointReader, name: str):
         self.weight.copy_(reader.get(name, tuple(self.weight.shape)))
@@ -61,8 +60,15 @@ class Linear(nn.Module):
             shape[tp_dim] = end - start
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)  # [out(/tp), in(/tp)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight)  # F.linear, or the weight-streaming kernel at a few tokens
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T`` (F.linear, or the weight-streaming kernel at a few tokens); with ``add`` ``[..., out]``,
+        ``add + x W^T`` written over ``add`` (the fp32 sums rounded once; the caller gives up add's values), out of
+        place where autograd must see the add."""
+        if add is None:
+            return skinny_linear(x, self.weight)
+        if torch.is_grad_enabled() and (add.requires_grad or x.requires_grad or self.weight.requires_grad):
+            return add + skinny_linear(x, self.weight)
+        return skinny_linear(x, self.weight, out=add, accumulate=True)
 
     def load(self, reader: CheckpointReader, names: str | list[str], rows: list[int] | None = None):
         """Load one checkpoint tensor, or several stacked along the output dim (e.g. gate and up; ``rows`` each,
@@ -141,15 +147,15 @@ class LMHead(nn.Module):
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP ``down(silu(gate x) * up x)``: gate/up column-parallel (stacked), down row-parallel (the output is
-    this rank's partial sum)."""
+    this rank's partial sum, plus ``residual`` where given, added in the down GEMM over residual's storage)."""
 
     def __init__(self, dim: int, inner: int, dtype: torch.dtype, group=SINGLE):
         super().__init__()
         self.gate_up = Linear(dim, 2 * inner, dtype, tp_dim=0, group=group)  # [2*inner/tp, dim]
         self.down = Linear(inner, dim, dtype, tp_dim=1, group=group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down(silu_mul(self.gate_up(x)), add=residual)
 
     def load(self, reader: CheckpointReader, prefix: str):
         self.gate_up.load(reader, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
@@ -229,16 +235,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps, dtype)
         self.mlp = mlp
 
-    def forward(self, h, delta, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream ``h + delta`` (``delta`` None: ``h``), each ``[T, dim]`` -> this layer's output as
-        (stream, pending MLP output), their sum left to the next norm: every residual add is fused into the norm
-        after it (:func:`residual_stream` sums them where a caller needs the stream itself). A pending output is
-        this rank's partial sum; the norm after it reduces it over the group."""
+    def forward(self, h: torch.Tensor, reduced: bool, rotary, cos, sin, batch: ForwardBatch, cache: torch.Tensor
+                ) -> torch.Tensor:
+        """The residual stream ``h [T, dim]`` (``reduced``), or this rank's partial sum of it (a layer's output) ->
+        this rank's partial sum of the stream after this layer. The stream rides in rank 0's partial sum: the
+        attention's and the MLP's last GEMMs add their input stream into their output there (in place), so each
+        norm reduces and normalises one tensor and no pass is spent on the residual add."""
         g = self.group
-        x, h = (self.input_layernorm(h), h) if delta is None else self.input_layernorm(delta, h, g)
-        x, h = self.post_attention_layernorm(self.self_attn(x, rotary, cos, sin, batch, cache), h, g)
-        return h, self.mlp(x)
+        x, h = (self.input_layernorm(h), h) if reduced else self.input_layernorm(h, g)
+        h = self.self_attn(x, rotary, cos, sin, batch, cache, residual=self._carried(h))
+        x, h = self.post_attention_layernorm(h, g)
+        return self.mlp(x, residual=self._carried(h))
+
+    def _carried(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The stream where this rank's partial sum carries it (rank 0), else None."""
+        return h if self.group.rank == 0 else None
 
     def load(self, reader: CheckpointReader, prefix: str):
         for name in ("input_layernorm", "post_attention_layernorm"):
@@ -247,15 +258,14 @@ class DecoderLayer(nn.Module):
         self.mlp.load(reader, f"{prefix}.mlp")
 
 
-def residual_stream(h: torch.Tensor, delta: torch.Tensor | None, group=SINGLE) -> torch.Tensor:
-    """The stream a layer's (stream, pending partial output) pair stands for: ``h + delta`` with ``delta`` reduced
-    over ``group``, rounded as the add rounds."""
-    return h if delta is None else h + group.all_reduce(delta)
+def residual_stream(h: torch.Tensor, reduced: bool, group=SINGLE) -> torch.Tensor:
+    """The stream ``h`` stands for: itself (``reduced``), or a layer's partial sums reduced over ``group``."""
+    return h if reduced else group.all_reduce(h)
 
 
-def final_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None, group=SINGLE) -> torch.Tensor:
-    """``norm(h + delta)``, the last layer's pending add (and the reduction of its partial sum) fused into it."""
-    return norm(h) if delta is None else norm(delta, h, group)[0]
+def final_norm(norm: RMSNorm, h: torch.Tensor, reduced: bool, group=SINGLE) -> torch.Tensor:
+    """``norm`` of the stream ``h`` stands for (:func:`residual_stream`), the reduction fused into it."""
+    return norm(h) if reduced else norm(h, group)[0]
 
 
 class TargetHead(nn.Module):
@@ -283,7 +293,7 @@ class TargetHead(nn.Module):
 
 class DecoderLM(TargetHead):
     """The decoder loop every target shares: the head, ``layers`` (each called as
-    ``layer(h, delta, rotary, cos, sin, batch, layer_cache)``), a final norm and the rotary embedding."""
+    ``layer(h, reduced, rotary, cos, sin, batch, layer_cache)``), a final norm and the rotary embedding."""
 
     def __init__(self, cfg, dtype: torch.dtype, group, layers: list[nn.Module], rotary: Rotary):
         super().__init__(cfg, dtype, group)
@@ -295,17 +305,20 @@ class DecoderLM(TargetHead):
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, target_layer_ids: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """kv_cache ``[layers, P, S, *kv_row_shape]`` -> (hidden ``[T, H]`` after the final norm, the drafter's
-        context features: outputs of the decoder layers ``target_layer_ids`` concatenated ``[T, len(ids) * H]``,
-        or None)."""
-        h, delta = self.embed_tokens(batch.input_ids), None
+        context features: outputs of the decoder layers ``target_layer_ids`` concatenated in layer order
+        ``[T, len(ids) * H]``, or None)."""
+        h, reduced = self.embed_tokens(batch.input_ids), True
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
-        features = []
+        picked = sorted({i for i in target_layer_ids if 0 <= i < len(self.layers)})
+        H = h.shape[-1]
+        features = h.new_empty(h.shape[0], len(picked) * H) if picked else None  # [T, len(ids) * H]
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, self.rotary, cos, sin, batch, kv_cache[i])
-            if i in target_layer_ids:  # the stream itself: reduced and added here, the next norm a plain one
-                h, delta = residual_stream(h, delta, self.group), None
-                features.append(h)
-        return final_norm(self.norm, h, delta, self.group), (torch.cat(features, dim=-1) if features else None)
+            h, reduced = layer(h, reduced, self.rotary, cos, sin, batch, kv_cache[i]), False
+            if i in picked:  # the stream itself, copied out: the next layer adds into h in place
+                h, reduced = residual_stream(h, reduced, self.group), True
+                j = picked.index(i)
+                features[:, j * H:(j + 1) * H] = h
+        return final_norm(self.norm, h, reduced, self.group), features
 
     def load(self, reader: CheckpointReader):
         """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...)."""

@@ -34,8 +34,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(H * D, cfg.hidden_size, dtype, tp_dim=1, group=group)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]``, cache ``[P, S, 2, Hkv/tp, D]`` (this layer) -> ``[T, hidden]``."""
+                batch: ForwardBatch, cache: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[T, hidden]``, cache ``[P, S, 2, Hkv/tp, D]`` (this layer) -> ``[T, hidden]`` (+ ``residual``, added by
+        o_proj over its storage)."""
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.heads, D)  # [T, Hl, D]
         k = self.k_proj(x).view(T, self.kv_heads, D)  # [T, Hkvl, D]
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         else:
             out = gqa_tree_attention(q, cache, batch.block_table, batch.prefix_lens, batch.cu_q, batch.tree_mask,
                                      self.scale, longest=max(batch.q_lens))  # [T, Hl, D]
-        return self.o_proj(out.reshape(T, self.heads * D))
+        return self.o_proj(out.reshape(T, self.heads * D), add=residual)
 
     def load(self, reader: CheckpointReader, prefix: str):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -1,7 +1,7 @@
 """The tensor-parallel group a model shard computes in.
 
 Layers only need ``rank``, ``size``, ``all_reduce``, ``all_gather`` and :class:`Collectives`'
-``all_reduce_add_rmsnorm``; the actors package supplies NCCL (GPU) and gloo (CPU) groups with this shape.
+``all_reduce_rmsnorm``; the actors package supplies NCCL (GPU) and gloo (CPU) groups with this shape.
 ``SINGLE`` is the one-shard group used in-process.
 """
 from __future__ import annotations
@@ -10,16 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kdray.kernels.rmsnorm import add_rmsnorm
+from kdray.kernels.rmsnorm import rmsnorm
 
 
 class Collectives:
-    """The collective a decoder layer ends in, built from ``all_reduce``; a group with a fused kernel overrides it."""
+    """The collective a decoder layer's norms begin with, built from ``all_reduce``; a group with a fused kernel
+    overrides it."""
 
-    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (this rank's partial sum), residual ``[T, dim]`` -> (``rmsnorm(s)``, ``s``), ``s = sum(x) + residual``."""
-        return add_rmsnorm(self.all_reduce(x), residual, weight, eps)
+    def all_reduce_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, dim]`` (this rank's partial sum) -> (``rmsnorm(s)``, ``s``), ``s = sum(x)`` over the group."""
+        s = self.all_reduce(x)
+        return rmsnorm(s, weight, eps), s
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-// One-shot all-reduce of a few rows over peer buffers (CUDA IPC), optionally fused with the residual add and the
-// RMSNorm after it; see kernels/peer_all_reduce.py.
+// One-shot all-reduce of a few rows over peer buffers (CUDA IPC), optionally fused with the RMSNorm after it; see
+// kernels/peer_all_reduce.py.
 //
 // Every rank owns one buffer that all ranks have mapped (bases[r]: rank r's buffer in this process's address space):
 //   flags  u32 [BLOCKS][MAX_WORLD]  flags[b][r]: the last call of block b at which rank r had written its rows
@@ -8,9 +8,9 @@
 // A call: block b copies its rows (b, b + BLOCKS, ...) of x into its own buffer's half (call & 1), then for each
 // rank r stores the call's count into rank r's flags[b][me] (system-scope release) and waits until its own
 // flags[b][r] has reached it (acquire): rank r's block b has written the same rows. It then sums each row over the
-// ranks in rank order in fp32, rounds once to the element type, and writes it (or, with a weight, adds the residual
-// and normalises as rmsnorm.cu does, in the same rounding and the same block reduction, so the result equals
-// add_rmsnorm of the reduced rows bit for bit). No barrier at the end: a rank's next call writes the other half, and
+// ranks in rank order in fp32, rounds once to the element type, and writes it (with a weight, also normalises it as
+// rmsnorm.cu does, in the same rounding and the same block reduction, so the norm equals rmsnorm of the reduced rows
+// bit for bit). No barrier at the end: a rank's next call writes the other half, and
 // the one after it waits for every rank's flag of the call between, which each rank sets only after its own stream
 // has finished this call's reads.
 // Launch: grid (BLOCKS) always (every block counts every call), block (threads): a multiple of 32 with
@@ -45,10 +45,9 @@ extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long lo
                                            int rank, int world, long long half_elems,
                                            const elem_t* __restrict__ x, long long x_stride,  // [rows, dim]: my part
                                            int rows, int dim,
-                                           const elem_t* __restrict__ residual, long long r_stride,  // or null
-                                           elem_t* __restrict__ residual_out,  // [rows, dim] (with residual)
+                                           elem_t* __restrict__ sum,           // [rows, dim] contiguous
                                            const elem_t* __restrict__ weight,  // [dim], or null: no norm
-                                           elem_t* __restrict__ out,           // [rows, dim] contiguous
+                                           elem_t* __restrict__ normed,        // [rows, dim] (with a weight)
                                            float eps) {
   griddep_wait();  // the kernel after this one is launched once this block has met the other ranks (below)
   char* self = reinterpret_cast<char*>(bases[rank]);
@@ -76,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long lo
   griddep_launch_dependents();
 
   for (int row = blockIdx.x; row < rows; row += BLOCKS) {  // uniform over the block: block_sum inside
-    vec_t s[NV];  // the rows' sums (after the residual add), kept rounded: 16 bytes a vector
+    vec_t s[NV];  // the rows' sums, kept rounded: 16 bytes a vector
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
@@ -97,20 +96,16 @@ extern "C" __global__ void __launch_bounds__(1024) peer_all_reduce(const long lo
         vec_t a;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) a.v[e] = to_t(acc[e]);
-        if (residual != nullptr) {
-          const vec_t b = reinterpret_cast<const vec_t*>(residual + row * r_stride)[j];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) a.v[e] = to_t(to_f(a.v[e]) + to_f(b.v[e]));
-          reinterpret_cast<vec_t*>(residual_out + (long long)row * dim)[j] = a;
-        }
-        if (weight == nullptr) {
-          reinterpret_cast<vec_t*>(out + (long long)row * dim)[j] = a;
-        }
         s[i] = a;
         add_squares(ss, a);
       }
     }
-    if (weight != nullptr) rmsnorm_store(s, ss, dim, eps, weight, out + (long long)row * dim);  // uniform
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = threadIdx.x + i * blockDim.x;
+      if (j < nvec) reinterpret_cast<vec_t*>(sum + (long long)row * dim)[j] = s[i];
+    }
+    if (weight != nullptr) rmsnorm_store(s, ss, dim, eps, weight, normed + (long long)row * dim);  // uniform
   }
   if (threadIdx.x == 0) counts[blockIdx.x] = call;  // every thread read it before the barrier above
 }

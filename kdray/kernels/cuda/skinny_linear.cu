@@ -10,7 +10,8 @@
 // in its shared memory and the cluster's first block adds the S partials in split order (read through distributed
 // shared memory) and writes y: no global round trip, no tickets (H200, alone: q_b 4.8 -> 3.8 us, the router 5.7 ->
 // 4.4 against partials in global memory summed by the block that took a row group's last ticket). y is rounded once
-// from fp32, as an fp32-accumulating GEMM rounds, or left in fp32 with OUT_F32.
+// from fp32, as an fp32-accumulating GEMM rounds, or left in fp32 with OUT_F32. With ACCUMULATE, y += x w^T: y's
+// value is added to the fp32 sum before that rounding (as a GEMM's beta = 1 does).
 #include "dtype.cuh"
 #include "griddep.cuh"
 
@@ -34,10 +35,25 @@ constexpr int k_unroll = 4;
 #ifdef OUT_F32
 typedef float out_t;
 __device__ __forceinline__ out_t to_out(float v) { return v; }
+__device__ __forceinline__ float out_f(out_t v) { return v; }
 #else
 typedef elem_t out_t;
 __device__ __forceinline__ out_t to_out(float v) { return to_t(v); }
+__device__ __forceinline__ float out_f(out_t v) { return to_f(v); }
 #endif
+
+// With ACCUMULATE, the value of y that a sum adds to, read at the kernel's start (after the dependency wait): read
+// just before the store, its latency stood at the end of every warp (K2 1x0: +0.1 ms a pass on an H100).
+struct Prior {
+#ifdef ACCUMULATE
+  float v = 0.f;
+  __device__ __forceinline__ void load(const out_t* y) { v = out_f(*y); }
+  __device__ __forceinline__ float add_to(float sum) const { return sum + v; }
+#else
+  __device__ __forceinline__ void load(const out_t*) {}
+  __device__ __forceinline__ float add_to(float sum) const { return sum; }
+#endif
+};
 
 // A weight vector: read once, so it skips L1 (ld.global.nc.L1::no_allocate).
 __device__ __forceinline__ vec8 load_stream(const elem_t* p) {
@@ -90,6 +106,19 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(WARPS * 32)
     const int n = min(row0 + r, N - 1);
     wr[r] = w + ((long long)g * w_pitch + n - g * group_rows) * K;
   }
+#if CLUSTER == 1
+  Prior prior[RPW][M_ROWS];  // lane 0 writes the warp's rows
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int m = 0; m < M_ROWS; ++m)
+        if (row0 + r < N) prior[r][m].load(y + (long long)m * N + row0 + r);
+#else
+  Prior prior;  // block 0's first ROWS_PER_BLOCK * M_ROWS threads write the cluster's rows
+  const int pm = threadIdx.x / ROWS_PER_BLOCK, pn = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x % ROWS_PER_BLOCK;
+  if (blockIdx.y == 0 && threadIdx.x < ROWS_PER_BLOCK * M_ROWS && pn < N) prior.load(y + (long long)pm * N + pn);
+#endif
 
   const int steps = KS / 256;
 #pragma unroll k_unroll
@@ -123,7 +152,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(WARPS * 32)
       const int n = row0 + r;
       if (n >= N) continue;
 #pragma unroll
-      for (int m = 0; m < M_ROWS; ++m) y[(long long)m * N + n] = to_out(acc[r][m]);
+      for (int m = 0; m < M_ROWS; ++m) y[(long long)m * N + n] = to_out(prior[r][m].add_to(acc[r][m]));
     }
   }
 #else
@@ -136,14 +165,14 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(WARPS * 32)
   }
   cluster_sync();  // every block's partials are written
   if (blockIdx.y == 0 && threadIdx.x < ROWS_PER_BLOCK * M_ROWS) {
-    const int m = threadIdx.x / ROWS_PER_BLOCK, i = threadIdx.x % ROWS_PER_BLOCK, n = blockIdx.x * ROWS_PER_BLOCK + i;
+    const int i = threadIdx.x % ROWS_PER_BLOCK;
     float v[CLUSTER];
 #pragma unroll
-    for (int s = 0; s < CLUSTER; ++s) v[s] = ld_cluster(&part[m][i], s);  // all S reads in flight
+    for (int s = 0; s < CLUSTER; ++s) v[s] = ld_cluster(&part[pm][i], s);  // all S reads in flight
     float t = 0.f;
 #pragma unroll
     for (int s = 0; s < CLUSTER; ++s) t += v[s];  // in split order, from 0, as the partials were always added
-    if (n < N) y[(long long)m * N + n] = to_out(t);
+    if (pn < N) y[(long long)pm * N + pn] = to_out(prior.add_to(t));
   }
   cluster_sync();  // no block leaves (its shared memory) before the first block has read it
 #endif
