@@ -76,11 +76,13 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     assert rel_err(fused_kv, ref_kv) < 1e-2
 
 
-@pytest.mark.parametrize("T", [5, 40])  # routed in the MoE's prep launch / by moe_route before it
-def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T):
+@pytest.mark.parametrize("carried", [False, True])  # rank 0 carries the residual stream, which the shared experts
+@pytest.mark.parametrize("T", [5, 40])  # add into in place / routed in the MoE's prep launch, by moe_route before it
+def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carried):
     """The MoE layer runs its shared experts on a side stream beside the router and the routed experts; the
     finalize waits for them. With the side stream held back ~25 ms, the layer still equals one whose shared experts
-    run on the current stream (without the wait it would add a buffer the shared experts had not written yet)."""
+    run on the current stream (without the wait it would add a buffer the shared experts had not written yet, or
+    on rank 0 the stream before they had added into it)."""
     cfg = k2_shard_config()
     model = random_model(cfg)
     moe = next(m for m in model.modules() if isinstance(m, k2.MoE))
@@ -99,14 +101,25 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T):
 
     with torch.no_grad():
         monkeypatch.setattr(k2, "_side_stream", current)
-        moe(-x)  # loads the kernels, whose first-call host time would hide a missing wait; leaves -x's output stale
+        alone = moe(x).float()  # no residual: the other ranks' partial sum
+    residual = torch.randn(T, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    residual = (residual * alone.std()).bfloat16()  # as large as the layer's output, so leaving it out shows
+
+    def layer(x):
+        """The MoE's output; on rank 0 added in place into a fresh copy of the residual stream."""
+        return moe(x, residual.clone()) if carried else moe(x)
+
+    with torch.no_grad():
+        layer(-x)  # loads the kernels, whose first-call host time would hide a missing wait; leaves -x's output stale
         monkeypatch.setattr(k2, "_side_stream", held_back)
-        beside = moe(x).float()  # before one_stream: a buffer reused from it would already hold the right output
+        beside = layer(x).float()  # before one_stream: a buffer reused from it would already hold the right output
         monkeypatch.setattr(k2, "_side_stream", current)
-        one_stream = moe(x).float()
+        one_stream = layer(x).float()
     torch.cuda.synchronize()
     assert torch.isfinite(beside).all()
     assert torch.equal(beside, one_stream)  # the shared experts' output joins at the finalize either way
+    if carried:  # the stream was added once, neither left out nor overwritten
+        assert rel_err(beside, alone + residual.float()) < 1e-2
 
 
 @pytest.mark.gpu
