@@ -12,7 +12,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache_reference
 from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
 from kdray.kernels.silu_mul import silu_mul_reference
-from kdray.kernels.w4a16_moe import ROUTE_PREP_MAX_T, w4a16_moe
+from kdray.kernels.w4a16_moe import ROUTE_PREP_MAX_T, expert_k_order, w4a16_moe
 from kdray.model.batch import ForwardBatch, causal_tree_mask, prompt_chunks
 
 pytestmark = pytest.mark.gpu
@@ -20,16 +20,23 @@ pytestmark = pytest.mark.gpu
 
 def unfused(monkeypatch):
     """Route the model's fused ops to their torch references."""
-    monkeypatch.setattr(layers, "rmsnorm", rmsnorm_reference)
-    monkeypatch.setattr(parallel, "rmsnorm", rmsnorm_reference)  # the layers' norm after a reduction
+
+    def norm(x, weight, eps, out_k=None):  # the input again in the experts' k order: torch's indexing
+        out = rmsnorm_reference(x, weight, eps)
+        if out_k is not None:
+            out_k.copy_(out[..., expert_k_order(x.shape[-1]).to(x.device)])
+        return out
+
+    monkeypatch.setattr(layers, "rmsnorm", norm)
+    monkeypatch.setattr(parallel, "rmsnorm", norm)  # the layers' norm after a reduction
     monkeypatch.setattr(k2, "mla_rope_cache", mla_rope_cache_reference)
     monkeypatch.setattr(k2, "moe_route", moe_route_reference)
 
-    def route_then_moe(x, w13p, w13s, w2p, w2s, logits, bias, *routing, add=None, add_stream=None):
+    def route_then_moe(x, w13p, w13s, w2p, w2s, logits, bias, *routing, add=None, add_stream=None, x_k=None):
         ids, weights = moe_route_reference(logits, bias, *routing)
         if add_stream is not None:  # the shared experts' stream
             torch.cuda.current_stream().wait_stream(add_stream)
-        return w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add), ids, weights
+        return w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, add, x_k=x_k), ids, weights
 
     monkeypatch.setattr(k2, "routed_w4a16_moe", route_then_moe)
     monkeypatch.setattr(k2, "silu_mul", silu_mul_reference)
@@ -44,12 +51,9 @@ def stable_routing(model, cfg):
                 m.e_score_correction_bias.copy_(torch.randperm(cfg.n_routed_experts, device="cuda") * 0.01)
 
 
-@pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (False, [17, 15]),
-                                           (True, [65, 40, 65])])
-def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
-    cfg = k2_shard_config()
-    model = random_model(cfg)
-    stable_routing(model, cfg)
+def random_batch(cfg, prefill: bool, q_lens: list[int]) -> tuple[ForwardBatch, torch.Tensor]:
+    """A prefill of prompts of q_lens tokens, or verify trees after prefixes of 300, 17 and 1000 tokens; and a
+    random latent cache ``[layers, pages, 64, kv_cache_dim]`` for them."""
     B = len(q_lens)
     page, prefix = 64, [0] * B if prefill else [300, 17, 1000][:B]
     pages = (max(prefix) + max(q_lens) + page - 1) // page
@@ -59,7 +63,16 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     ids = torch.randint(0, cfg.vocab_size, (sum(q_lens),), device="cuda", generator=g)
     positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, q_lens)]).cuda()
     mask = None if prefill else causal_tree_mask(q_lens, "cuda")
-    batch = ForwardBatch.build(ids, positions, q_lens, prefix, table, page, mask)
+    return ForwardBatch.build(ids, positions, q_lens, prefix, table, page, mask), kv
+
+
+@pytest.mark.parametrize("prefill,q_lens", [(False, [65, 40, 65]), (False, [1, 3, 2]), (False, [17, 15]),
+                                           (True, [65, 40, 65])])
+def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
+    cfg = k2_shard_config()
+    model = random_model(cfg)
+    stable_routing(model, cfg)
+    batch, kv = random_batch(cfg, prefill, q_lens)
 
     def logits(cache):
         with torch.no_grad():
@@ -74,6 +87,33 @@ def test_fused_ops_match_unfused_code(monkeypatch, prefill, q_lens):
     # once where torch rounds x1 * cos and x2 * sin apart (on the CPU, only that change moves them 1.5%).
     assert rel_err(fused, ref) < 3e-2
     assert rel_err(fused_kv, ref_kv) < 1e-2
+
+
+def test_the_norm_writes_the_moe_input_in_the_experts_k_order(monkeypatch):
+    """At a prefill's size the routed experts read x in their k order. The post-attention norm writes that order
+    beside x, and the pass equals, bit for bit, one whose MoE permutes x itself."""
+    cfg = k2_shard_config()
+    model = random_model(cfg)
+    batch, kv = random_batch(cfg, True, [700, 324])
+    asked = []
+    ask = k2.MoE.input_k_order
+
+    def recorded(self, h):
+        asked.append(ask(self, h))
+        return asked[-1]
+
+    def logits(cache):
+        with torch.no_grad():
+            hidden, _ = model(batch, cache)
+            return model.logits(hidden), cache
+
+    monkeypatch.setattr(k2.MoE, "input_k_order", recorded)
+    by_norm, by_norm_kv = logits(kv.clone())
+    assert len(asked) == 1 and asked[0] is not None and asked[0].shape == (1024, cfg.hidden_size)
+    monkeypatch.setattr(k2.MoE, "input_k_order", lambda self, h: None)
+    by_prep, by_prep_kv = logits(kv.clone())
+    assert torch.isfinite(by_norm).all()
+    assert torch.equal(by_norm, by_prep) and torch.equal(by_norm_kv, by_prep_kv)
 
 
 @pytest.mark.parametrize("carried", [False, True])  # rank 0 carries the residual stream, which the shared experts

@@ -5,6 +5,7 @@ import torch
 from gpu_checks import poison_allocator
 
 from kdray.kernels.rmsnorm import rmsnorm
+from kdray.kernels.w4a16_moe import expert_k_order
 from kdray.model.layers import RMSNorm
 from kdray.model.parallel import Collectives
 
@@ -39,6 +40,24 @@ def test_module_with_a_group_reduces_then_returns_norm_and_sum():
     x = torch.randn(5, 32)
     y, s = norm(x, Tripling())
     assert torch.equal(s, 3 * x) and torch.equal(y, norm(3 * x))
+
+
+def test_out_k_is_the_norm_in_the_experts_k_order():
+    """out_k gets the same rows in the INT4 experts' k order, through the module and a group's reduction too; it
+    takes 16-bit rows of a multiple of 128 only."""
+    x = torch.randn(2, 5, 256).bfloat16()
+    w = (1 + 0.1 * torch.randn(256)).bfloat16()
+    out_k = torch.empty_like(x)
+    out = rmsnorm(x, w, 1e-6, out_k)
+    assert torch.equal(out, rmsnorm(x, w, 1e-6)) and torch.equal(out_k, out[..., expert_k_order(256)])
+    norm = RMSNorm(256, 1e-6, torch.bfloat16)
+    norm.weight.data.copy_(w)
+    out_k.zero_()
+    y, s = norm(x[0], Tripling(), out_k=out_k[0])
+    assert torch.equal(out_k[0], y[:, expert_k_order(256)]) and torch.equal(y, norm(3 * x[0]))
+    for bad_x, bad_k in ((x, out_k[:, :4]), (x.float(), out_k.float()), (x[..., :192], out_k[..., :192])):
+        with pytest.raises(ValueError, match="out_k"):
+            rmsnorm(bad_x, w[:bad_x.shape[-1]], 1e-6, bad_k.contiguous())
 
 
 def test_shape_errors_are_clear():
@@ -78,6 +97,20 @@ def test_cuda_matches_reference(lead, dim, dtype):
         poison_allocator()
         out = rmsnorm(x, w, 1e-6)
         torch.testing.assert_close(out, unfused_norm(x, w, 1e-6), **_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,dim", [((1,), 7168), ((33,), 7168), ((2080,), 7168), ((5, 8), 1536)])
+def test_cuda_out_k_is_the_norm_in_the_experts_k_order(lead, dim):
+    """The kernel's second output: its own normalised rows, permuted as the MoE's prep permutes x (bit for bit)."""
+    g = torch.Generator("cuda").manual_seed(dim + len(lead))
+    x = (3 * torch.randn(*lead, dim, device="cuda", generator=g)).bfloat16()
+    w = (1 + 0.1 * torch.randn(dim, device="cuda", generator=g)).bfloat16()
+    poison_allocator()
+    out_k = torch.empty_like(x)
+    out = rmsnorm(x, w, 1e-6, out_k)
+    assert torch.equal(out, rmsnorm(x, w, 1e-6))
+    assert torch.equal(out_k, out[..., expert_k_order(dim).cuda()])
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from kdray.kernels.int4 import dequantize_int4, pack_int4, quantize_int4
 from kdray.kernels.moe_route import moe_route, moe_route_reference
 from kdray.kernels.w4a16_moe import (ROUTE_PREP_MAX_E, ROUTE_PREP_MAX_T, SKINNY, SKINNY_UP_FORMS,
                                      VARIANTS, WGMMA_VARIANTS, _choose_variant, _skinny_up_form, _w4a16_moe_cuda,
-                                     _wgmma_ok, random_int4_experts,
+                                     _wgmma_ok, expert_k_order, random_int4_experts,
                                      repack_int4_experts, routed_w4a16_moe, unpack_int4_experts, w4a16_moe,
                                      w4a16_moe_reference)
 
@@ -157,6 +157,24 @@ def test_routed_moe_composes_the_references():
     assert torch.equal(out, w4a16_moe_reference(x, w13p, w13s, w2p, w2s, ref_ids, ref_weights, add))
 
 
+def test_experts_k_order_is_the_kernels_logical_k():
+    """expert_k_order (position -> k) inverts the .cu's logical_pos (k -> position in its 128-k chunk), chunk by
+    chunk, and the CPU path refuses x_k."""
+    H = 384
+    order = expert_k_order(H)
+    for k in range(H):
+        kk = k % 128
+        c, q, i, s1, h = kk >> 5, (kk >> 3) & 3, (kk >> 2) & 1, (kk >> 1) & 1, kk & 1
+        assert order[k - kk + 16 * (2 * q + s1) + 8 * h + 2 * c + i] == k
+    with pytest.raises(ValueError, match="multiple of 128"):
+        expert_k_order(192)
+    w13p, w13s, w2p, w2s = _quantized_experts(4, 128, 32)
+    x = torch.randn(3, 128)
+    ids, weights = _routing(3, 4, 2)
+    with pytest.raises(ValueError, match="for CUDA tensors"):
+        w4a16_moe(x, w13p, w13s, w2p, w2s, ids, weights, x_k=x[:, expert_k_order(128)])
+
+
 def test_routed_moe_shape_errors_are_clear():
     w13p, w13s, w2p, w2s = _quantized_experts(4, 64, 32)
     x = torch.randn(3, 64)
@@ -278,6 +296,30 @@ def test_cuda_results_are_the_same_bits_on_every_call(variant):
     assert rel_err(first, w4a16_moe_reference(x.float(), *int4, ids, weights)) < 1e-2
     for _ in range(4):
         assert torch.equal(_w4a16_moe_cuda(x, *int4, ids, weights, variant=variant), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["m16n1", "m64n2", "rs"])
+def test_cuda_x_in_the_experts_k_order_replaces_the_prep_permutation(variant):
+    """The families that read x in the experts' k order take it from the caller (x_k, which the norm before the MoE
+    writes) instead of permuting x in the prep: the same bits. The skinny path reads x as it is and refuses x_k."""
+    if variant == "rs" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma family needs sm_90")
+    gen = torch.Generator("cuda").manual_seed(9)
+    T, H, I, E, k = 300, 1024, 256, 16, 8
+    int4 = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = _routing(T, E, k, "cuda", gen=gen)
+    x_k = x[:, expert_k_order(H).cuda()].contiguous()
+    poison_allocator()
+    permuted_here = _w4a16_moe_cuda(x, *int4, ids, weights, variant=variant)
+    poison_allocator()
+    given = _w4a16_moe_cuda(torch.zeros_like(x), *int4, ids, weights, variant=variant, x_k=x_k)  # x itself unread
+    assert torch.isfinite(given).all() and torch.equal(given, permuted_here)
+    with pytest.raises(ValueError, match="reads that order"):
+        _w4a16_moe_cuda(x, *int4, ids, weights, variant=SKINNY, x_k=x_k)
+    with pytest.raises(ValueError, match="x_k"):
+        _w4a16_moe_cuda(x, *int4, ids, weights, variant=variant, x_k=x_k[:, :512].contiguous())
 
 
 @pytest.mark.gpu

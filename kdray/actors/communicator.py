@@ -157,10 +157,10 @@ class NcclGroup(Collectives):
         self._comm.allReduce(ptr, ptr, n, dt, self._nccl.NCCL_SUM, self._stream())
         return t
 
-    def all_reduce_rmsnorm(self, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.peer is not None and self.peer.fits(x):
+    def all_reduce_rmsnorm(self, x, weight, eps, out_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.peer is not None and self.peer.fits(x) and out_k is None:  # (the peer kernel's norm has no out_k)
             return self.peer.all_reduce_rmsnorm(x, weight, eps)
-        return super().all_reduce_rmsnorm(x, weight, eps)
+        return super().all_reduce_rmsnorm(x, weight, eps, out_k)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``t`` concatenated along ``dim`` in rank order."""

@@ -15,7 +15,8 @@ verify step's MoE can be captured in a CUDA graph:
 
 1. ``moe_prep``: block 0 sorts the (token, slot) pairs by expert (histogram + prefix sum) and cuts each
    expert's rows into passes of at most ``MT`` rows; the other blocks write ``x`` in the k order the GEMMs'
-   ldmatrix loads read (see the .cu; the wgmma family's ``rs`` reads it too, the skinny path does not).
+   ldmatrix loads read (see the .cu; the wgmma family's ``rs`` reads it too, the skinny path does not), unless the
+   caller gives x in that order as ``x_k`` (:func:`expert_k_order`: K2's post-attention norm writes it beside x).
    ``routed_w4a16_moe`` at few tokens launches ``moe_route_prep`` (``cuda/moe_route.cu``) instead: block 0
    routes the tokens (``moe_route``'s math, a warp per token) before it sorts them. Over ``SORT_SPLIT_SLOTS``
    pairs the sort is split: ``moe_prep_count`` counts slot ranges by expert in up to ``SORT_BLOCKS`` blocks (beside
@@ -49,6 +50,7 @@ needs the tiled one. ``MoE.load`` (``model/k2.py``) repacks the experts when the
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -155,6 +157,20 @@ def _shapes(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weight
     return E, H, I, group
 
 
+@functools.cache
+def expert_k_order(dim: int) -> torch.Tensor:
+    """``[dim]`` int64 (CPU), position -> k: the order of k in which the INT4 expert kernels that stage activations
+    read them (the .cu's "logical" k, dim a multiple of 128: in each 128-k chunk position 16 s + 8 h + 2 c + i holds
+    k = 32 c + 8 (s >> 1) + 2 (s & 1) + h + 4 i). ``x[..., expert_k_order(H)]`` is what moe_prep's permutation
+    writes, and what the norm before the MoE can write instead (``rmsnorm``'s ``out_k``)."""
+    if dim % 128:
+        raise ValueError(f"the experts' k order is defined on rows of a multiple of 128, got {dim}")
+    p = torch.arange(128)
+    s, h, c, i = p >> 4, (p >> 3) & 1, (p >> 1) & 3, p & 1
+    k = 32 * c + 8 * (s >> 1) + 2 * (s & 1) + h + 4 * i  # [128]
+    return (torch.arange(0, dim, 128)[:, None] + k).reshape(dim)
+
+
 def repack_int4_experts(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                         w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """compressed-tensors experts -> the tile-contiguous layout every CUDA kernel reads (a pure function).
@@ -233,30 +249,36 @@ def random_int4_experts(E: int, H: int, I: int, device="cuda", generator: torch.
 
 def w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
               w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+              add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None,
+              x_k: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts over INT4 weights; ``x [T, H]`` -> ``[T, H]`` in ``x.dtype`` (plus ``add [T, H]`` if given).
 
     ``w13_packed [E, 2I, H/8]`` int32, ``w13_scale [E, 2I, H/g]`` bf16, ``w2_packed [E, H, I/8]`` int32,
     ``w2_scale [E, H, I/g]`` bf16, ``topk_ids [T, k]`` int64 (-1 = skip), ``topk_weights [T, k]`` fp32;
-    ``add_stream``: ``add``'s writer (CUDA), waited for just before the finalize.
+    ``add_stream``: ``add``'s writer (CUDA), waited for just before the finalize. ``x_k`` (CUDA, where
+    :func:`reads_expert_k_order` says so): x again in :func:`expert_k_order`, which the GEMMs then read instead of
+    the prep's permutation of x.
     """
     if x.is_cuda:
         return _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add,
-                               add_stream=add_stream)
+                               add_stream=add_stream, x_k=x_k)
+    if x_k is not None:
+        raise ValueError("w4a16_moe's x_k (x in the experts' k order) is for CUDA tensors; the CPU path reads x")
     return w4a16_moe_reference(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add)
 
 
 def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                      w2_scale: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                      topk_group: int, renormalize: bool, scale: float, local_experts: tuple[int, int] | None,
-                     add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None,
+                     x_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_route` then :func:`w4a16_moe` -> ``(out [T, H], ids [T, k] int64, weights [T, k] fp32)``.
 
     ``logits [T, E]`` fp32 and ``bias [E]`` fp32 are the router's; the routing arguments are moe_route's (all
     given), the experts ``w13_packed [E_local, 2I, H/8]`` etc. those of ``local_experts`` (all E without it).
     On a GPU, 1 <= T <= ``ROUTE_PREP_MAX_T`` tokens over E <= ``ROUTE_PREP_MAX_E`` experts are routed in the MoE's
-    prep launch (``moe_route_prep``: four launches in all); other shapes run moe_route first.
+    prep launch (``moe_route_prep``: four launches in all); other shapes run moe_route first. ``x_k``: as
+    :func:`w4a16_moe`'s.
     """
     T, E = check_routing(logits, bias, top_k, n_group, topk_group)
     n_local = E if local_experts is None else local_experts[1]
@@ -267,7 +289,8 @@ def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch
     if not (x.is_cuda and 1 <= T <= ROUTE_PREP_MAX_T and E <= ROUTE_PREP_MAX_E):
         ids, weights = moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scale, local_experts)
         # add's writer joins just before the finalize: its work runs beside the routing and the GEMMs
-        out = w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add, add_stream=add_stream)
+        out = w4a16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add, add_stream=add_stream,
+                        x_k=x_k)
         return out, ids, weights
     check_cuda_routing(E, top_k, n_group)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
@@ -276,7 +299,7 @@ def routed_w4a16_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch
                                  renormalize, scale, local_experts)
     group_scratch = 4 * T * E if n_group > 1 else 0  # a warp's E floats per token
     out = _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, ids, weights, add,
-                          routing=(args, defines, group_scratch), add_stream=add_stream)
+                          routing=(args, defines, group_scratch), add_stream=add_stream, x_k=x_k)
     return out, ids, weights
 
 
@@ -342,9 +365,25 @@ def _choose_variant(E: int, H: int, I: int, slots: int, wgmma: bool = False) -> 
     return "m64n2" if slots >= PREFILL_ROWS_PER_EXPERT * E else "m32n2"
 
 
+def _reads_k_order(variant: str) -> bool:
+    """Whether the variant's gate/up GEMM reads x in :func:`expert_k_order` (the tile path's and rs's do)."""
+    return variant in VARIANTS or (variant in WGMMA_VARIANTS and WGMMA_VARIANTS[variant][1])
+
+
+def reads_expert_k_order(T: int, k: int, w13_packed: torch.Tensor, H: int) -> bool:
+    """Whether the CUDA MoE of ``T`` tokens x top-``k`` over these (local) experts, chosen by shape, reads x in
+    :func:`expert_k_order` (so that the norm before it may write that order as ``x_k``)."""
+    if T == 0 or H % 128 or not w13_packed.is_cuda:
+        return False
+    tiled = is_tiled(w13_packed)
+    E, two_i = (w13_packed.shape[0], w13_packed.shape[2]) if tiled else w13_packed.shape[:2]
+    wgmma = _wgmma_ok(_capability(w13_packed.device), H, two_i // 2, tiled) is None
+    return _reads_k_order(_choose_variant(E, H, two_i // 2, T * k, wgmma=wgmma))
+
+
 def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, add=None,
                     variant: str | None = None, routing: tuple | None = None,
-                    add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+                    add_stream: torch.cuda.Stream | None = None, x_k: torch.Tensor | None = None) -> torch.Tensor:
     """The CUDA path; ``variant`` (a ``VARIANTS`` or ``WGMMA_VARIANTS`` key, or ``SKINNY``) overrides the choice by
     shape (benchmarks sweep it; a wgmma variant where it cannot run raises ValueError). ``routing`` (from
     :func:`routed_w4a16_moe`: moe_route.cu's arguments and defines, the bytes of group scratch) makes the prep launch
@@ -377,19 +416,26 @@ def _w4a16_moe_cuda(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, top
         raise ValueError(f"variant {variant} needs I % 128 == 0, got I={I}")
     if variant == SKINNY and (H % 128 or I % 128):
         raise ValueError(f"the skinny path needs H and I multiples of 128, got H={H}, I={I}")
+    if x_k is not None and (not _reads_k_order(variant) or H % 128 or x_k.shape != x.shape or x_k.dtype != x.dtype
+                            or x_k.device != dev or not x_k.is_contiguous() or x_k.data_ptr() % 16):
+        raise ValueError(f"x_k (x in the experts' k order) must be a contiguous, 16-byte aligned {x.dtype} tensor of "
+                         f"x's shape {tuple(x.shape)} on {dev}, H a multiple of 128, for a variant that reads that "
+                         f"order (the tile path's or rs; this call runs {variant}); got {x_k.dtype} "
+                         f"{tuple(x_k.shape)} on {x_k.device}")
     gemms = _wgmma_gemms if variant in WGMMA_VARIANTS else _mma_gemms
     for t0 in range(0, T, CHUNK_TOKENS):  # tokens are independent: chunks give the same bits
         t1 = min(T, t0 + CHUNK_TOKENS)
         y = gemms(variant, x[t0:t1], w13_packed, w13_scale, w2_packed, w2_scale, topk_ids[t0:t1], topk_weights[t0:t1],
-                  routing, E, H, I, k, sms)
+                  routing, E, H, I, k, sms, None if x_k is None else x_k[t0:t1])
         _finalize_slots(y, topk_ids[t0:t1], None if add is None else add[t0:t1], out[t0:t1], E, sms, add_stream)
     return out
 
 
 def _mma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, routing, E, H, I, k,
-               sms) -> torch.Tensor:
-    """The skinny path and the tile path (``VARIANTS``): prep (the sort; for the tile path x permuted too), the
-    gate/up GEMM -> h [T*k, I], the down GEMM -> y [T*k, H] (each slot's weighted row, bf16), returned."""
+               sms, x_k=None) -> torch.Tensor:
+    """The skinny path and the tile path (``VARIANTS``): prep (the sort; for the tile path x permuted too, unless
+    ``x_k`` is that), the gate/up GEMM -> h [T*k, I], the down GEMM -> y [T*k, H] (each slot's weighted row, bf16),
+    returned."""
     from kdray.kernels.cuda_module import launch
 
     dev, i32 = x.device, np.int32
@@ -413,9 +459,9 @@ def _mma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
         return y
     # The tile path reads activations in the GEMMs' k order, rows padded to a multiple of 128 (the padding must
     # read as zero).
-    x_perm = torch.empty(x.shape[0], _round128(H), dtype=torch.bfloat16, device=dev)
+    x_perm = torch.empty(x.shape[0], _round128(H), dtype=torch.bfloat16, device=dev) if x_k is None else x_k
     h = (torch.empty if I % 128 == 0 else torch.zeros)(slots, _round128(I), dtype=torch.bfloat16, device=dev)
-    _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms)
+    _prep(x, topk_ids, x_perm if x_k is None else None, sorted_slot, passes, routing, E, H, mt, sms)
     _tile_gemms(variant, x_perm, h, y, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes,
                 topk_weights, k, H, I, E, slots, max_passes, sms, tiled)
     return y
@@ -503,10 +549,10 @@ def _tile_gemms(variant, x_perm, h, y, w13_packed, w13_scale, w2_packed, w2_scal
 
 
 def _wgmma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, routing,
-                 E, H, I, k, sms) -> torch.Tensor:
-    """The wgmma family: prep (the sort; for ``rs`` x permuted too), the gate/up GEMM (``moe_up_rs`` or
-    ``moe_up_<variant>``) -> h [T*k, I], the down GEMM (``moe_down_rs``, or the ``wg`` one of the pass size) -> y
-    [T*k, H] (each slot's weighted row, bf16), returned."""
+                 E, H, I, k, sms, x_k=None) -> torch.Tensor:
+    """The wgmma family: prep (the sort; for ``rs`` x permuted too, unless ``x_k`` is that), the gate/up GEMM
+    (``moe_up_rs`` or ``moe_up_<variant>``) -> h [T*k, I], the down GEMM (``moe_down_rs``, or the ``wg`` one of the
+    pass size) -> y [T*k, H] (each slot's weighted row, bf16), returned."""
     from kdray.kernels.cuda_module import launch
 
     dev, i32 = x.device, np.int32
@@ -524,8 +570,8 @@ def _wgmma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_id
     y = torch.empty(slots, H, dtype=torch.bfloat16, device=dev)  # skipped ids' rows: unwritten, read and dropped
     # The swapped gate/up GEMM reads x in the tile path's k order ([T, H], H % 256 == 0: no padding); the prep's
     # other blocks write it. The other wgmma kernels read x and h as they are: block 0 only.
-    x_perm = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if swapped else None
-    _prep(x, topk_ids, x_perm, sorted_slot, passes, routing, E, H, mt, sms)
+    x_perm = (torch.empty(T, H, dtype=torch.bfloat16, device=dev) if x_k is None else x_k) if swapped else None
+    _prep(x, topk_ids, x_perm if x_k is None else None, sorted_slot, passes, routing, E, H, mt, sms)
     busy = min(E, slots)
     swapped_down = swapped and I <= RSD_MAX_I  # reads h in the logical k order moe_up_rs then writes
     if swapped:  # a block per 128 outputs of h and pass

@@ -10,7 +10,8 @@ On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the 
 roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, W_UV's product
 runs per head on ``skinny_bmm`` at one token, the absorbed projections are otherwise batched GEMMs over
 ``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
-experts at few tokens, part of the MoE's first kernel).
+experts at few tokens, part of the MoE's first kernel), and at prefill sizes the norm before the MoE also writes its
+input in the order of k the INT4 expert GEMMs read (``MoE.input_k_order``), which spares the MoE a pass over x.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from kdray.kernels.prefill_attention import mla_prefill_attention
 from kdray.kernels.silu_mul import silu_mul
 from kdray.kernels.skinny_linear import skinny_bmm, skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
-from kdray.kernels.w4a16_moe import is_tiled, repack_int4_experts, routed_w4a16_moe
+from kdray.kernels.w4a16_moe import is_tiled, reads_expert_k_order, repack_int4_experts, routed_w4a16_moe
 from kdray.model.batch import ForwardBatch
 from kdray.model.checkpoint import CheckpointReader
 from kdray.model.layers import DecoderLayer, DecoderLM, GatedMLP, Linear, RMSNorm, Rotary
@@ -208,10 +209,21 @@ class MoE(nn.Module):
             self.register_buffer("w2_scale", torch.empty(El, H, Il // g, dtype=torch.bfloat16))
         self.shared = (GatedMLP(H, I * cfg.n_shared_experts, dtype, group) if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def input_k_order(self, h: torch.Tensor) -> torch.Tensor | None:
+        """An empty ``[T, H]`` for the norm before this layer to write its input into in the INT4 experts' k order
+        (``expert_k_order``) when the CUDA experts at h's T tokens read that order; else None."""
+        T, H = h.shape
+        if not (h.is_cuda and self.cfg.quantization is not None
+                and reads_expert_k_order(T, self.cfg.num_experts_per_tok, self.w13_packed, H)):
+            return None
+        return torch.empty(T, H, dtype=h.dtype, device=h.device)  # [T, H]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_k: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x ``[T, H]`` -> routed experts plus shared experts ``[T, H]``: this rank's partial sum (its expert width or
         its experts), which the norm after the layer reduces over the group; plus ``residual`` where given (the
-        stream, on rank 0), whose storage the shared experts' down GEMM adds into."""
+        stream, on rank 0), whose storage the shared experts' down GEMM adds into. ``x_k``: x in the experts' k
+        order, where :meth:`input_k_order` asked the norm for it."""
         cfg = self.cfg
         logits = skinny_linear(x, self.gate, out_dtype=torch.float32)  # [T, E]: 16-bit operands, fp32 sums
         add, side = residual, None  # what the routed experts' sum adds: the stream, then the shared experts
@@ -235,7 +247,7 @@ class MoE(nn.Module):
             return out if add is None else out + add
         # few tokens: routed inside the MoE's first launch
         out, _, _ = routed_w4a16_moe(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, *routing,
-                                     add=add, add_stream=side)
+                                     add=add, add_stream=side, x_k=x_k)
         return out
 
     def load(self, reader: CheckpointReader, prefix: str):

@@ -29,17 +29,19 @@ class RMSNorm(nn.Module):
     """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as HF computes it.
 
     ``norm(x)`` returns the normalised ``x``; ``norm(x, group)`` takes ``x`` as this rank's partial sum, reduces it
-    over the tensor-parallel group first and returns ``(norm(sum), sum)``, in one collective."""
+    over the tensor-parallel group first and returns ``(norm(sum), sum)``, in one collective. ``out_k``: a buffer
+    the norm also writes in the INT4 experts' k order (``rmsnorm``'s)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, group=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, group=None, out_k: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if group is None:
-            return rmsnorm(x, self.weight, self.eps)
-        return group.all_reduce_rmsnorm(x, self.weight, self.eps)
+            return rmsnorm(x, self.weight, self.eps, out_k)
+        return group.all_reduce_rmsnorm(x, self.weight, self.eps, out_k)
 
     def load(self, reader: CheckpointReader, name: str):
         self.weight.copy_(reader.get(name, tuple(self.weight.shape)))
@@ -244,8 +246,18 @@ class DecoderLayer(nn.Module):
         g = self.group
         x, h = (self.input_layernorm(h), h) if reduced else self.input_layernorm(h, g)
         h = self.self_attn(x, rotary, cos, sin, batch, cache, residual=self._carried(h))
-        x, h = self.post_attention_layernorm(h, g)
-        return self.mlp(x, residual=self._carried(h))
+        x_k = self._mlp_input_k_order(h)
+        x, h = self.post_attention_layernorm(h, g, out_k=x_k)
+        if x_k is None:
+            return self.mlp(x, residual=self._carried(h))
+        return self.mlp(x, residual=self._carried(h), x_k=x_k)
+
+    def _mlp_input_k_order(self, h: torch.Tensor) -> torch.Tensor | None:
+        """A buffer for the MLP's input again in the order its INT4 expert kernels read (an MoE asks for one when
+        they do at h's rows), which the norm fills beside the input: the MoE then makes no pass of its own over
+        x to permute it. Else None."""
+        ask = getattr(self.mlp, "input_k_order", None)
+        return None if ask is None else ask(h)
 
     def _carried(self, h: torch.Tensor) -> torch.Tensor | None:
         """The stream where this rank's partial sum carries it (rank 0), else None."""

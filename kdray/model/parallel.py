@@ -17,11 +17,12 @@ class Collectives:
     """The collective a decoder layer's norms begin with, built from ``all_reduce``; a group with a fused kernel
     overrides it."""
 
-    def all_reduce_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[T, dim]`` (this rank's partial sum) -> (``rmsnorm(s)``, ``s``), ``s = sum(x)`` over the group."""
+    def all_reduce_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, dim]`` (this rank's partial sum) -> (``rmsnorm(s)``, ``s``), ``s = sum(x)`` over the group; the
+        norm also into ``out_k`` in the experts' k order when given (``rmsnorm``'s)."""
         s = self.all_reduce(x)
-        return rmsnorm(s, weight, eps), s
+        return rmsnorm(s, weight, eps, out_k), s
 
 
 @dataclass(frozen=True)

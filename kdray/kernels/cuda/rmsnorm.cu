@@ -1,5 +1,6 @@
 // RMSNorm of each row; see kernels/rmsnorm.py.
-// out = w * to_t(x * rsqrt(mean(x^2) + eps)). Rounding follows the torch reference: the normalised value is cast to
+// out = w * to_t(x * rsqrt(mean(x^2) + eps)), and with out_k the same rows in the INT4 experts' k order (rmsnorm.cuh).
+// Rounding follows the torch reference: the normalised value is cast to
 // the element type before the weight multiplies it.
 // Launch: grid (rows), block (threads): threads a multiple of 32, threads * NV * VEC >= dim, dim % VEC == 0,
 // every row start VEC-element aligned. VEC elements per access (16 bytes for bf16 rows of 8).
@@ -9,6 +10,7 @@
 extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_stride,  // [rows, dim]
                                    const elem_t* __restrict__ weight,                 // [dim]
                                    elem_t* __restrict__ out,                          // [rows, dim] contiguous
+                                   elem_t* __restrict__ out_k,  // [rows, dim] in the experts' k order, or null
                                    int dim, float eps) {
   griddep_begin();
   const long long row = blockIdx.x;
@@ -24,5 +26,5 @@ extern "C" __global__ void rmsnorm(const elem_t* __restrict__ x, long long x_str
       add_squares(ss, s[i]);
     }
   }
-  rmsnorm_store(s, ss, dim, eps, weight, out + row * dim);
+  rmsnorm_store(s, ss, dim, eps, weight, out + row * dim, out_k == nullptr ? nullptr : out_k + row * dim);
 }
