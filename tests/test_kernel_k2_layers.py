@@ -12,7 +12,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache_reference
 from kdray.kernels.moe_route import moe_route_reference
 from kdray.kernels.rmsnorm import rmsnorm_reference
 from kdray.kernels.silu_mul import silu_mul_reference
-from kdray.kernels.w4a16_moe import ROUTE_PREP_MAX_T, expert_k_order, w4a16_moe
+from kdray.kernels.w4a16_moe import ROUTE_PREP_MAX_T, w4a16_moe
 from kdray.model.batch import ForwardBatch, causal_tree_mask, prompt_chunks
 
 pytestmark = pytest.mark.gpu
@@ -20,15 +20,8 @@ pytestmark = pytest.mark.gpu
 
 def unfused(monkeypatch):
     """Route the model's fused ops to their torch references."""
-
-    def norm(x, weight, eps, out_k=None):  # the input again in the experts' k order: torch's indexing
-        out = rmsnorm_reference(x, weight, eps)
-        if out_k is not None:
-            out_k.copy_(out[..., expert_k_order(x.shape[-1]).to(x.device)])
-        return out
-
-    monkeypatch.setattr(layers, "rmsnorm", norm)
-    monkeypatch.setattr(parallel, "rmsnorm", norm)  # the layers' norm after a reduction
+    monkeypatch.setattr(layers, "rmsnorm", rmsnorm_reference)
+    monkeypatch.setattr(parallel, "rmsnorm", rmsnorm_reference)  # the layers' norm after a reduction
     monkeypatch.setattr(k2, "mla_rope_cache", mla_rope_cache_reference)
     monkeypatch.setattr(k2, "moe_route", moe_route_reference)
 

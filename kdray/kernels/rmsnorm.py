@@ -26,11 +26,17 @@ NV = 4  # vectors per thread at most (NV in cuda/rmsnorm.cuh)
 MAX_VECS = NV * 1024  # vectors per row: 1024 threads x NV
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``[..., dim]`` -> ``[..., dim]``: the unfused torch form."""
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, out_k: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """``[..., dim]`` -> ``[..., dim]``: the unfused torch form (``out_k`` filled by indexing)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    out = weight * xf.to(x.dtype)
+    if out_k is not None:
+        from kdray.kernels.w4a16_moe import expert_k_order
+
+        out_k.copy_(out[..., expert_k_order(x.shape[-1]).to(x.device)])
+    return out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_k: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,12 +44,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_k: torch.Tens
     dtype) in the experts' k order when given."""
     _check(x, weight, out_k)
     if not _cuda_ok(x, weight):
-        out = rmsnorm_reference(x, weight, eps)
-        if out_k is not None:
-            from kdray.kernels.w4a16_moe import expert_k_order
-
-            out_k.copy_(out[..., expert_k_order(x.shape[-1]).to(x.device)])
-        return out
+        return rmsnorm_reference(x, weight, eps, out_k)
     return _launch(x, weight, eps, out_k)
 
 

@@ -1,7 +1,7 @@
 // RMSNorm of each row; see kernels/rmsnorm.py.
-// out = w * to_t(x * rsqrt(mean(x^2) + eps)), and with out_k the same rows in the INT4 experts' k order (rmsnorm.cuh).
-// Rounding follows the torch reference: the normalised value is cast to
-// the element type before the weight multiplies it.
+// out = w * to_t(x * rsqrt(mean(x^2) + eps)), and with out_k the same rows in the INT4 experts' k order
+// (rmsnorm.cuh). Rounding follows the torch reference: the normalised value is cast to the element type before the
+// weight multiplies it.
 // Launch: grid (rows), block (threads): threads a multiple of 32, threads * NV * VEC >= dim, dim % VEC == 0,
 // every row start VEC-element aligned. VEC elements per access (16 bytes for bf16 rows of 8).
 #include "griddep.cuh"

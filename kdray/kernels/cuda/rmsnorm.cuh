@@ -1,6 +1,6 @@
 // The normalising half of an RMSNorm row, shared by rmsnorm.cu and peer_all_reduce.cu (which must round alike: the
-// peer kernel's fused norm equals rmsnorm of the reduced rows bit for bit). A row is spread over the block: thread t holds vectors
-// j = t + i * blockDim.x, i < NV, of VEC elements each.
+// peer kernel's fused norm equals rmsnorm of the reduced rows bit for bit). A row is spread over the block: thread t
+// holds vectors j = t + i * blockDim.x, i < NV, of VEC elements each.
 #pragma once
 #include "dtype.cuh"
 
