@@ -488,19 +488,6 @@ def test_swapped_gemms_launch_with_the_sizes_the_cu_defines():
     assert max(values["RS_SMEM"], values["RSD_SMEM"]) <= 227 * 1024  # an H100/H200 block's shared memory
 
 
-
-def test_skinny_up_down_launches_as_the_cu_defines():
-    """moe_skinny_up_down runs moe_up_skinny's first form (one block an SM, 16 warps, one chunk ahead) and holds a down
-    item's weights for I <= 128 * SK_FUSED_CHUNKS: the Python side launches it with those threads and that I bound."""
-    import re
-    from pathlib import Path
-
-    src = (Path(w4a16_moe_module.__file__).parent / "cuda" / "w4a16_moe.cu").read_text()
-    defines = dict(re.findall(r"^#define (SK_FUSED_[A-Z]+) (\d+)", src, re.M))
-    assert re.search(r"moe_up_skinny<SK_FUSED_WARPS, 1, true>", src)
-    assert SKINNY_UP_FORMS[0][1:] == (int(defines["SK_FUSED_WARPS"]), 1, 1)
-    assert w4a16_moe_module.SKINNY_FUSED_MAX_I == 128 * int(defines["SK_FUSED_CHUNKS"])
-
 def _ragged_routing(T, E, k, gen, skip=0.05):
     """Distinct ids per token with ragged expert loads: experts 0 and 1 hot (every token that can: > 1 tile of rows
     from T = 257), expert 2 on token 0 only (1 row), the last quarter unused (0 rows), a ``skip`` share of -1."""
@@ -623,60 +610,6 @@ def test_cuda_skinny_every_up_kernel(form, monkeypatch):
     poison_allocator()
     out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
     assert rel_err(out, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,H,I,E,k,used,skip", [
-    (1, 7168, 256, 384, 8, None, 0.0),  # K2 TP8 decode: 8 passes, 128 gate/up items, 112 down items
-    (2, 7168, 256, 384, 6, 40, 0.2),  # 12 slots over 40 experts, some skipped: up to 13 passes
-    (3, 1152, 128, 16, 2, None, 0.3),  # one 128-k down chunk; H past the last down item's 512 outputs by 128
-])
-def test_cuda_skinny_up_down_in_one_launch_gives_the_same_bits(T, H, I, E, k, used, skip, monkeypatch):
-    """At about one gate/up item an SM the skinny path runs gate/up and down as one launch (moe_skinny_up_down, its
-    down items waiting on each pass's count of stored h tiles): the same bits as the two launches, eager and replayed
-    from a graph with new routing each time (the sort zeroes the counts)."""
-    gen = torch.Generator("cuda").manual_seed(T + H + I)
-    tiled = repack_int4_experts(*random_int4_experts(E, H, I, "cuda", gen))
-    experts = None if used is None else torch.randperm(E, device="cuda", generator=gen)[:used]
-
-    def inputs():
-        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-        return (x, *_routing(T, E, k, "cuda", experts, skip, gen))
-
-    def two_launches(x, ids, weights):
-        with monkeypatch.context() as m:
-            m.setattr(w4a16_moe_module, "SKINNY_FUSED_MAX_I", 0)
-            return _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
-
-    launched = []
-    import kdray.kernels.cuda_module as cuda_module  # the MoE imports its launch from here at each call
-    original = cuda_module.launch
-
-    def spy(module, kernel, *args, **kwargs):
-        launched.append(kernel)
-        return original(module, kernel, *args, **kwargs)
-
-    x, ids, weights = inputs()
-    monkeypatch.setattr(cuda_module, "launch", spy)
-    poison_allocator()
-    fused = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
-    assert "moe_skinny_up_down" in launched and "moe_down_skinny" not in launched
-    assert torch.equal(fused, two_launches(x, ids, weights))
-    assert rel_err(fused, w4a16_moe_reference(x.float(), *tiled, ids, weights)) < 1e-2
-
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        static_out = _w4a16_moe_cuda(x, *tiled, ids, weights, variant=SKINNY)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        new_x, new_ids, new_weights = inputs()
-        x.copy_(new_x)
-        ids.copy_(new_ids)
-        weights.copy_(new_weights)
-        static_out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(static_out, two_launches(x, ids, weights))
 
 
 @pytest.mark.gpu

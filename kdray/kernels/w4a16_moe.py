@@ -25,15 +25,14 @@ verify step's MoE can be captured in a CUDA graph:
    fused in the epilogue -> ``h [T*k, I]`` bf16 (sorted rows).
 3. ``moe_down_*``: the down GEMM over ``h``; each row scaled by its routing weight and written as that (token,
    slot)'s row of ``y [T*k, H]`` (bf16).
-4. ``moe_finalize_slots``: each token's rows of ``y`` summed in slot order (+ ``add``) -> ``out`` in bf16. No value
-   is summed by atomics anywhere: a call's result is the same bits every time.
+4. ``moe_finalize_slots``: each token's rows of ``y`` summed in slot order (+ ``add``) -> ``out`` in bf16. No
+   atomics anywhere: a call's result is the same bits every time.
 
 Three families of GEMM kernels: with few rows per expert (decode and small verify trees) the skinny path
 (passes of <= 8 rows; weights as the mma's A operand, dequantized in registers from each lane's own pieces, the
 pass's rows as its 8 columns; K split across the warps of a block; persistent blocks over (pass, column tile) items,
 a wave at most, since the pass count is only known on the device; each lane loads its weights into registers ahead
-of their math; ``SKINNY_UP_FORMS`` for the gate/up GEMM; at about one gate/up item an SM, steps 2 and 3 are one
-launch, ``moe_skinny_up_down``) up to ``SKINNY_MAX_ROWS_PER_EXPERT`` rows per expert; past
+of their math; ``SKINNY_UP_FORMS`` for the gate/up GEMM) up to ``SKINNY_MAX_ROWS_PER_EXPERT`` rows per expert; past
 that the wgmma family (``WGMMA_VARIANTS``) on Hopper (sm_90), and elsewhere, or for shapes neither takes, the tile
 path (``VARIANTS``: weights staged through a cp.async pipeline in shared memory, 16 to 64 rows per pass). The wgmma
 family's chosen variant, ``rs`` (128-row passes), swaps the GEMMs' operands
@@ -77,9 +76,6 @@ SKINNY_ROWS = 8
 SKINNY_UP_FORMS = ((0, 16, 1, 1), (2, 4, 4, 1), (8, 4, 3, 2))
 SKINNY_DOWN_THREADS, SKINNY_DOWN_ROWS = 256, 256  # SK_DOWN_WARPS in the .cu
 SKINNY_DOWN_BLOCKS = 3  # moe_down_skinny's blocks resident per SM (79 registers)
-# Where the gate/up kernel takes its first form (about one item an SM), gate/up and down run as one launch,
-# moe_skinny_up_down, for I up to 128 * SK_FUSED_CHUNKS (a down item's weights held while it waits for its h).
-SKINNY_FUSED_MAX_I = 256
 # Route slots per expert up to which the skinny path is chosen (past it, on Hopper, rs). H200, K2 TP8, 384
 # experts, uniform routing, the MoE graph-replayed (2026-12-03; results/moe-families-2026-12-03-h200-session27.txt):
 # 5.4 per expert (T=257) skinny 417 us < rs 519 < m16n1 553; 8.0 (T=385) skinny 521 ~ rs 534; 10.7 (T=513) rs 553 <
@@ -454,11 +450,6 @@ def _mma_gemms(variant, x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
         _prep(x, topk_ids, None, sorted_slot, passes, routing, E, H, mt, sms)  # the sort only
         up_items = max_passes * (I // 16)
         warps, blocks, ahead = _skinny_up_form(up_items, sms)
-        if (warps, blocks, ahead) == SKINNY_UP_FORMS[0][1:] and I <= SKINNY_FUSED_MAX_I:
-            launch("w4a16_moe", "moe_skinny_up_down", (min(up_items, sms),), (32 * warps,),
-                   (x, w13_packed, w13_scale, w2_packed, w2_scale, sorted_slot, passes, topk_weights, h, y, i32(k),
-                    i32(H), i32(I), i32(tiled)), device=dev)
-            return y
         launch("w4a16_moe", f"moe_up_skinny_w{warps}_b{blocks}_a{ahead}", (min(up_items, blocks * sms),),
                (32 * warps,), (x, w13_packed, w13_scale, sorted_slot, passes, h, i32(k), i32(H), i32(I), i32(tiled)),
                device=dev)

@@ -376,16 +376,6 @@ __device__ __forceinline__ uint4 ld_nc(const uint4* p) {  // 16 bytes through L1
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-__device__ __forceinline__ uint4 ld_cg(const uint4* p) {  // 16 bytes from L2: written earlier in the same launch
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ int ld_s32(const int* p) {  // issued where written
   int v;
   asm volatile("ld.global.nc.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
@@ -461,8 +451,8 @@ __device__ __forceinline__ u32 skinny_group(int g, int N, int tiled) {
 // Forms (WARPS, BLOCKS resident per SM, AHEAD), chosen by items per SM in w4a16_moe.py: (16, 1, 1) for a token's
 // ~one item an SM, (4, 4, 1) from a few, (4, 3, 2) from many (fewer warps, twice the loads in flight each).
 // Launch: grid min(max_passes * I / 16, BLOCKS * SMs), block 32 * WARPS; H % 128 == 0, group 32. h rows are natural
-// k order. COUNT (moe_skinny_up_down): each item, once its h is stored, adds 1 to its pass's fourth int.
-template <int WARPS, int AHEAD, bool COUNT = false>
+// k order.
+template <int WARPS, int AHEAD>
 __device__ __forceinline__ void moe_up_skinny(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
     const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ sorted_slot, const int4* __restrict__ passes,
@@ -552,16 +542,9 @@ __device__ __forceinline__ void moe_up_skinny(
             h[(size_t)(pass.y + n) * I + item % tiles * 16 + (l >> 2) + 8 * (i >> 1)] =
                 __float2bfloat16(g / (1.f + __expf(-g)) * up);
         }
-        if constexpr (COUNT) {  // the block's h stores, then (release: the fence orders them first) the count
-          __syncthreads();
-          if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(reinterpret_cast<int*>(const_cast<int4*>(passes) + 1 + item / tiles) + 3, 1);
-          }
-        }
         item += G;
         if (item >= items) break;
-        if constexpr (!COUNT) __syncthreads();  // part is rewritten by the next item (COUNT's barrier did it)
+        __syncthreads();  // part is rewritten by the next item
         pos = 0;
         pass = next_pass;
         next_pass = pass_at(item + G);
@@ -586,49 +569,6 @@ MOE_UP_SKINNY(4, 3, 2)  // 158 registers
 // on every call); per item (pass, tile of 256 outputs) warp w owns output rows n0 = 256 tile + 32 w + [0, 32) (two
 // m16 tiles) over all of K = I; each tile goes through shared memory so a lane stores 4 consecutive outputs of one
 // row (8 bytes). The blocks resident on an SM hide each other's latencies.
-
-// One 128-k chunk (g = 4 ch + c) of a warp's down weights: pieces and scales of rows n0 + r + 16 m + 8 hh (wrow, from
-// skinny_row); the second m16 tile's are zero past H (tile1 false: a half block).
-struct SkinnyDownChunk {
-  uint4 w[2][2];
-  __nv_bfloat16 s[2][2];
-};
-__device__ __forceinline__ void skinny_down_load(SkinnyDownChunk& b, const uint4* wq,
-                                                 const __nv_bfloat16* __restrict__ w2_scale, const u32 (&wrow)[2][2],
-                                                 int g, int H, int tiled, bool tile1) {
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const u32 piece = wrow[m][hh] + skinny_group(g, H, tiled);
-      const bool ok = m == 0 || tile1;
-      b.w[m][hh] = ok ? ld_stream(wq + piece) : make_uint4(0u, 0u, 0u, 0u);
-      b.s[m][hh] = ok ? ld_bf16(w2_scale + piece) : __float2bfloat16(0.f);
-    }
-}
-
-// The warp's 32 outputs of its pass row n = lane & 7 (slot < 0: none), weighted, to y through its tile t of shared
-// memory: lane l stores outputs 4 (l >> 3) .. + 3 of each m16 tile.
-__device__ __forceinline__ void skinny_down_store(const float (&acc)[2][4], float* t, int slot, float wgt,
-                                                  __nv_bfloat16* __restrict__ y, int H, int n0, bool tile1) {
-  const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3, n = lane & 7, quad = lane >> 3;
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    if (m == 1 && !tile1) break;
-    t[r * 8 + 2 * c] = acc[m][0];
-    t[r * 8 + 2 * c + 1] = acc[m][1];
-    t[(r + 8) * 8 + 2 * c] = acc[m][2];
-    t[(r + 8) * 8 + 2 * c + 1] = acc[m][3];
-    __syncwarp();
-    if (slot >= 0) {
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n]);
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
-      *reinterpret_cast<uint2*>(y + (size_t)slot * H + n0 + 16 * m + 4 * quad) = make_uint2(bf2_bits(lo), bf2_bits(hi));
-    }
-    __syncwarp();
-  }
-}
-
 // Launch: grid min(max_passes * ceil(H / 256), 3 SMs) (79 registers: three blocks of 8 warps fit an SM), block
 // 32 * SK_DOWN_WARPS; H % 16 == 0, I % 128 == 0, group 32.
 extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny(
@@ -644,6 +584,7 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
   // Items pass-fastest (the blocks at work share a tile of outputs). A block reads its next item's pass while it works
   // on this one, and a lane its row's slot before the weights (volatile, so it is issued there): neither an item's
   // weight loads nor its reduction wait on a read that could have been made earlier.
+  const int n = lane & 7, quad = lane >> 3;  // epilogue: lane l stores outputs 4 quad .. + 3 of the tile, pass row n
   int4 pass_next = blockIdx.x < items ? passes[1 + blockIdx.x % n_pass] : make_int4(0, 0, 0, 0);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int4 pass = pass_next;
@@ -651,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
     const int e = pass.x, row0 = pass.y, rows = pass.z;
     const int n0 = item / n_pass * 32 * SK_DOWN_WARPS + 32 * warp;
     if (n0 < H) {
-      const int slot = (lane & 7) < rows ? ld_s32(sorted_slot + row0 + (lane & 7)) : -1;
+      const int slot = n < rows ? ld_s32(sorted_slot + row0 + n) : -1;
       const bool tile1 = n0 + 16 < H;
       u32 wrow[2][2];  // as in moe_up_skinny; rows past H (a half block) are never loaded
 #pragma unroll
@@ -664,78 +605,40 @@ extern "C" __global__ void __launch_bounds__(32 * SK_DOWN_WARPS) moe_down_skinny
 #pragma unroll 2
       for (int ch = 0; ch < chunks; ++ch) {
         const int g = 4 * ch + c;
-        SkinnyDownChunk b;
-        uint4 xv[4];
-        skinny_down_load(b, wq, w2_scale, wrow, g, H, tiled, tile1);
+        uint4 w[2][2], xv[4];
+        __nv_bfloat16 sc[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const u32 piece = wrow[m][hh] + skinny_group(g, H, tiled);
+            const bool ok = m == 0 || tile1;
+            w[m][hh] = ok ? ld_stream(wq + piece) : make_uint4(0u, 0u, 0u, 0u);
+            sc[m][hh] = ok ? ld_bf16(w2_scale + piece) : __float2bfloat16(0.f);
+          }
 #pragma unroll
         for (int q = 0; q < 4; ++q) xv[q] = ld_nc(hr + 4 * g + q);
-        skinny_chunk<2>(acc, b.w, b.s, xv);
+        skinny_chunk<2>(acc, w, sc, xv);
       }
-      skinny_down_store(acc, tile[warp], slot, slot >= 0 ? topk_weights[slot] : 0.f, y, H, n0, tile1);
-    }
-  }
-}
-
-// Gate/up and down in one launch, where the gate/up items are about one an SM (moe_up_skinny's 16-warp form: K2's
-// one-token decode): the blocks take their gate/up items, each counting its pass's stored h tiles in the pass's fourth int
-// (the sort writes 0 there), then the down items (pass, 512 outputs; a warp's 32 as in moe_down_skinny). A block
-// loads a down item's weights before it waits for the pass's I / 16 tiles of h, so the down weights stream right
-// behind the gate/up ones with no launch between. A block waits only once its gate/up items are done, and those never
-// wait, so the grid (at most one block an SM) finishes whatever the order its blocks become resident in.
-// Launch: grid min(max_passes * I / 16, SMs), block 32 * SK_FUSED_WARPS; H % 128 == 0, I % 128 == 0,
-// I <= 128 * SK_FUSED_CHUNKS, group 32.
-#define SK_FUSED_WARPS 16
-#define SK_FUSED_CHUNKS 2  // a down item's 128-k weight chunks held in registers while it waits
-extern "C" __global__ void __launch_bounds__(32 * SK_FUSED_WARPS, 1) moe_skinny_up_down(
-    const __nv_bfloat16* __restrict__ x, const int* __restrict__ w13_packed,
-    const __nv_bfloat16* __restrict__ w13_scale, const int* __restrict__ w2_packed,
-    const __nv_bfloat16* __restrict__ w2_scale, const int* __restrict__ sorted_slot, const int4* passes,
-    const float* __restrict__ topk_weights, __nv_bfloat16* h, __nv_bfloat16* __restrict__ y, int k, int H, int I,
-    int tiled) {
-  griddep_begin();
-  moe_up_skinny<SK_FUSED_WARPS, 1, true>(x, w13_packed, w13_scale, sorted_slot, passes, h, k, H, I, tiled);
-  __shared__ float tile[SK_FUSED_WARPS][16 * 8];
-  const int* const stored = reinterpret_cast<const int*>(passes) + 3;  // pass p's h tiles: stored[4 (1 + p)]
-  constexpr int ROWS = 32 * SK_FUSED_WARPS;  // a down item's outputs
-  const int n_pass = passes[0].x, items = n_pass * ((H + ROWS - 1) / ROWS), up_tiles = I / 16;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-  const int groups = I / 32, chunks = I / 128;
-  const uint4* wq = reinterpret_cast<const uint4*>(w2_packed);
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {  // pass-fastest, as moe_down_skinny's
-    const int p = item % n_pass;
-    const int4 pass = passes[1 + p];
-    const int n0 = item / n_pass * ROWS + 32 * warp;
-    const bool live = n0 < H, tile1 = n0 + 16 < H;
-    const int slot = live && (lane & 7) < pass.z ? ld_s32(sorted_slot + pass.y + (lane & 7)) : -1;
-    SkinnyDownChunk b[SK_FUSED_CHUNKS];
-    if (live) {
-      u32 wrow[2][2];
+      const float wgt = slot >= 0 ? topk_weights[slot] : 0.f;
+      float* t = tile[warp];
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) wrow[m][hh] = skinny_row(pass.x, n0 + r + 16 * m + 8 * hh, H, groups, tiled);
-#pragma unroll
-      for (int ch = 0; ch < SK_FUSED_CHUNKS; ++ch)
-        if (ch < chunks) skinny_down_load(b[ch], wq, w2_scale, wrow, 4 * ch + c, H, tiled, tile1);
-    }
-    if (threadIdx.x == 0) {  // acquire the pass's h (then the barrier passes it on to the block)
-      while (ld_acquire(stored + 4 * (1 + p)) < up_tiles) {
+      for (int m = 0; m < 2; ++m) {
+        if (m == 1 && !tile1) break;
+        t[r * 8 + 2 * c] = acc[m][0];
+        t[r * 8 + 2 * c + 1] = acc[m][1];
+        t[(r + 8) * 8 + 2 * c] = acc[m][2];
+        t[(r + 8) * 8 + 2 * c + 1] = acc[m][3];
+        __syncwarp();
+        if (slot >= 0) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(wgt * t[(4 * quad) * 8 + n], wgt * t[(4 * quad + 1) * 8 + n]);
+          const __nv_bfloat162 hi =
+              __floats2bfloat162_rn(wgt * t[(4 * quad + 2) * 8 + n], wgt * t[(4 * quad + 3) * 8 + n]);
+          *reinterpret_cast<uint2*>(y + (size_t)slot * H + n0 + 16 * m + 4 * quad) =
+              make_uint2(bf2_bits(lo), bf2_bits(hi));
+        }
+        __syncwarp();
       }
-    }
-    __syncthreads();
-    if (live) {
-      // h row of lane row r (the pass's last row past its rows), from L2: this launch wrote it
-      const uint4* hr = reinterpret_cast<const uint4*>(h) + (size_t)(pass.y + min(r, pass.z - 1)) * (I / 8);
-      float acc[2][4] = {};
-#pragma unroll
-      for (int ch = 0; ch < SK_FUSED_CHUNKS; ++ch) {
-        if (ch >= chunks) break;
-        uint4 xv[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xv[q] = ld_cg(hr + 4 * (4 * ch + c) + q);
-        skinny_chunk<2>(acc, b[ch].w, b[ch].s, xv);
-      }
-      skinny_down_store(acc, tile[warp], slot, slot >= 0 ? topk_weights[slot] : 0.f, y, H, n0, tile1);
     }
   }
 }
