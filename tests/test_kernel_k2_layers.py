@@ -109,10 +109,10 @@ def test_the_norm_writes_the_moe_input_in_the_experts_k_order(monkeypatch):
     assert torch.equal(by_norm, by_prep) and torch.equal(by_norm_kv, by_prep_kv)
 
 
-# carried: rank 0 carries the residual stream, which the shared experts add into in place. T: 1 forks the shared
-# experts before the router; 5 is routed in the MoE's prep launch, 40 by moe_route before it.
+# carried: rank 0 carries the residual stream, which the shared experts add into in place. T: 1 and 2 fork the
+# shared experts before the router; 5 is routed in the MoE's prep launch, 40 by moe_route before it.
 @pytest.mark.parametrize("carried", [False, True])
-@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("T", [1, 2, 5, 40])
 def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carried):
     """The MoE layer runs its shared experts on a side stream beside the router and the routed experts (forked
     before the router up to SHARED_FIRST_TOKENS tokens, after it past that); the finalize waits for them. With the
@@ -124,7 +124,7 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carrie
     moe = next(m for m in model.modules() if isinstance(m, k2.MoE))
     assert moe.shared is not None and cfg.quantization is not None
     x = torch.randn(T, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
-    assert (T <= ROUTE_PREP_MAX_T) == (T < 40) and (T <= k2.SHARED_FIRST_TOKENS) == (T == 1)
+    assert (T <= ROUTE_PREP_MAX_T) == (T < 40) and (T <= k2.SHARED_FIRST_TOKENS) == (T <= 2)
     side = torch.cuda.Stream()
     order = []  # the fork and the router, as the layer issues them
     router_logits = k2.MoE._router_logits
@@ -154,7 +154,7 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carrie
         monkeypatch.setattr(k2, "_side_stream", held_back)
         order.clear()
         beside = layer(x).float()  # before one_stream: a buffer reused from it would already hold the right output
-        assert order == (["fork", "router"] if T == 1 else ["router", "fork"])
+        assert order == (["fork", "router"] if T <= 2 else ["router", "fork"])
         monkeypatch.setattr(k2, "_side_stream", current)
         one_stream = layer(x).float()
     torch.cuda.synchronize()

@@ -99,12 +99,12 @@ def test_cuda_out_is_written_as_a_new_tensor_would_be(M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(7168, 1024), (7168, 256), (576, 7168), (100, 768)])  # unsplit, split, odd rows
 def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
-    """A decoder layer's o_proj and down projection add into the residual stream: at one row on the kernel (its K
-    split or not) out + x w^T summed in fp32 and rounded once; past it on cuBLAS (beta = 1), whose split-K GEMMs at
-    a few rows may round a partial sum first (within an ulp of the stream's values where the sum cancels)."""
+    """A decoder layer's o_proj and down projection add into the residual stream: up to MAX_ROWS rows on the kernel
+    (its K split or not) out + x w^T summed in fp32 and rounded once; past it on cuBLAS (beta = 1), whose split-K
+    GEMMs at a few rows may round a partial sum first (within an ulp of the stream's values where the sum cancels)."""
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    for M in (1, 3):
+    for M in (1, MAX_ROWS, MAX_ROWS + 1):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         stream = (4 * torch.randn(M, N, device="cuda", generator=g)).bfloat16()
         poison_allocator()
@@ -112,7 +112,7 @@ def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
         assert skinny_linear(x, w, out=out, accumulate=True) is out
         want = (x.float() @ w.float().t() + stream.float()).bfloat16()
         torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -5)
-        if M == 1:  # one rounding: nearer the exact sums, over the rows, than the product rounded first, then added
+        if M <= MAX_ROWS:  # one rounding: nearer the exact sums, over the rows, than rounding the product first
             twice = (skinny_linear(x, w).float() + stream.float()).bfloat16()
             exact = x.double() @ w.double().t() + stream.double()
             assert (out.double() - exact).abs().sum() < (twice.double() - exact).abs().sum()
@@ -171,21 +171,18 @@ def _w_uv(heads, nope, v, L, dtype, g):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,nope,v,L", [(8, 128, 128, 512), (3, 2, 10, 256), (1, 0, 34, 768), (5, 16, 6, 2048)])
 def test_cuda_bmm_matches_fp32_reference(heads, nope, v, L, dtype):
-    """K2's W_UV product at one token (8 heads of 128 rows, K 512), and odd group counts, group sizes and splits."""
+    """K2's W_UV product at a token or two (8 heads of 128 rows, K 512), and odd group counts, group sizes and splits;
+    past MAX_ROWS tokens torch.bmm."""
     g = torch.Generator("cuda").manual_seed(heads * 31 + v)
     w = _w_uv(heads, nope, v, L, dtype, g)
-    x = torch.randn(1, heads, L, device="cuda", generator=g).to(dtype)
-    poison_allocator()
-    out = torch.full((1, heads, v), float("nan"), device="cuda", dtype=dtype)
-    assert bmm_fits(x, w, out)
-    skinny_bmm(x, w, out)
-    ref = torch.einsum("thk,hrk->thr", x.float(), w.float()).to(dtype)
-    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=2e-3)
-    two = torch.empty(2, heads, v, device="cuda", dtype=dtype)  # two tokens: torch.bmm
-    x2 = torch.randn(2, heads, L, device="cuda", generator=g).to(dtype)
-    assert not bmm_fits(x2, w, two)
-    torch.testing.assert_close(skinny_bmm(x2, w, two), torch.einsum("thk,hrk->thr", x2.float(), w.float()).to(dtype),
-                               rtol=2 ** -7, atol=2e-3)
+    for T in range(1, MAX_ROWS + 2):
+        x = torch.randn(T, heads, L, device="cuda", generator=g).to(dtype)
+        poison_allocator()
+        out = torch.full((T, heads, v), float("nan"), device="cuda", dtype=dtype)
+        assert bmm_fits(x, w, out) == (T <= MAX_ROWS)
+        assert skinny_bmm(x, w, out) is out
+        ref = torch.einsum("thk,hrk->thr", x.float(), w.float()).to(dtype)
+        torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=2e-3)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""``y = x W^T`` for a single token (decode): ``skinny_linear``; and per group, ``skinny_bmm``.
+"""``y = x W^T`` for one or two tokens (decode): ``skinny_linear``; and per group, ``skinny_bmm``.
 
-At one token a projection is a weight stream: cuBLAS picks split-K GEMMs plus a reduce kernel for K2's shard
+At a token or two a projection is a weight stream: cuBLAS picks split-K GEMMs plus a reduce kernel for K2's shard
 projections (issue 12). ``cuda/skinny_linear.cu`` streams the weights at 16 bytes per lane, two rows per warp,
 with K split across the blocks of a thread-block cluster so that even 576 output rows fill the GPU, and the
 cluster's first block adding the partial sums from the others' shared memory (one launch, no host sync, no global
@@ -9,15 +9,16 @@ sm_90; on earlier GPUs a projection whose K would be split runs on cuBLAS (``ker
 
 The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums); ``accumulate`` adds the
 product into ``out`` instead (a decoder layer's residual stream: see ``model/layers.py``). The kernel compiles for up
-to 8 rows of ``x`` (``M_ROWS``), but on the H200 it clearly beats cuBLAS at one row only (``benchmarks/bench_linear.py``
-with more rows allowed, 2026-12-03: 1.0-1.6x at 2 rows, 0.6-1.1x at 8; K2's 8x0 pass 9.7 -> 11.0 ms with it at 8
-rows, 4 tokens unchanged), so ``MAX_ROWS`` is 1. CUDA bf16 / fp16 inputs with at most ``MAX_ROWS`` rows,
-``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and the reference) is ``F.linear``, or
-cuBLAS's fp32-output GEMM.
+to 8 rows of ``x`` (``M_ROWS``), but beats cuBLAS at 1-2 rows only: alone on the H200 (``benchmarks/bench_linear.py``
+with more rows allowed, 2026-12-03) 1.0-1.6x at 2 rows, 0.6-1.1x at 8; in K2's graphed TP8-shard pass on an H100
+(2026-12-06, alternated) 2 tokens 6.50 -> 6.17 ms, 3 tokens -0.9% in one call and +0.2% in another, 4 tokens 7.44
+-> 7.75, and 8 tokens 9.7 -> 11.0 on the H200 (2026-12-03); so ``MAX_ROWS`` is 2. CUDA bf16 / fp16 inputs with at
+most ``MAX_ROWS`` rows, ``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and the
+reference) is ``F.linear``, or cuBLAS's fp32-output GEMM.
 
 ``skinny_bmm`` is the same kernel over groups: output rows of group g read x's row g and weight group g, as
-``torch.bmm`` of ``[G, T, K]`` by ``[G, K, R]``: MLA's W_UV product per head at one token, 2.2 us on K2's shard
-against torch.bmm's 4.8 (a cuBLAS kernel, which the next one cannot start behind).
+``torch.bmm`` of ``[G, T, K]`` by ``[G, K, R]``: MLA's W_UV product per head at a token or two (one: 2.2 us on K2's
+shard against torch.bmm's 4.8, a cuBLAS kernel, which the next one cannot start behind).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from kdray.kernels.cuda_module import launch, sm90_or_later, sm_count
 
-MAX_ROWS = 1  # rows of x that take the kernel (H200: cuBLAS wins at 8)
+MAX_ROWS = 2  # rows of x that take the kernel (see above)
 ROWS_PER_BLOCK = 16  # WARPS * RPW in the .cu
 RPW = 2  # weight rows per warp in the .cu: a group of skinny_bmm holds whole warps
 THREADS = 256  # 32 * WARPS in the .cu

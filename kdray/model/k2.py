@@ -8,7 +8,7 @@ form over the latent cache (576 values per token and layer for K2), through the 
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
 roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, W_UV's product
-runs per head on ``skinny_bmm`` at one token, the absorbed projections are otherwise batched GEMMs over
+runs per head on ``skinny_bmm`` at a token or two, the absorbed projections are otherwise batched GEMMs over
 ``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
 experts at few tokens, part of the MoE's first kernel), and at prefill sizes the norm before the MoE also writes its
 input in the order of k the INT4 expert GEMMs read (``MoE.input_k_order``), which spares the MoE a pass over x.
@@ -121,7 +121,7 @@ class MLAttention(nn.Module):
                                           batch.tree_mask, c.softmax_scale, L, early_prefix=True,
                                           longest=max(batch.q_lens))  # [T, Hl, kv_lora]
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
-            skinny_bmm(o_latent, w_uv, out)  # per head: one token on skinny_linear's kernel, else torch.bmm
+            skinny_bmm(o_latent, w_uv, out)  # per head: 1-2 tokens on skinny_linear's kernel, else torch.bmm
         return self.o_proj(out.reshape(T, self.heads * c.v_head_dim), add=residual)
 
     def _plain(self, q, latent, k_pe, batch: ForwardBatch) -> torch.Tensor:
@@ -168,11 +168,11 @@ def dense_experts(x, w13, w2, ids, weights) -> torch.Tensor:
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-# Up to this many tokens an MoE layer forks its shared experts before the router, past it after: the routed experts'
-# one-token gate/up kernel takes whole SMs (16 warps, 122 registers) and waits for the shared experts' blocks to leave
-# them, so those start first (H100, graphed 61-layer K2 TP8 shard, alternated: one token 5.15-5.17 -> 4.93 ms; forked
-# first at 8 tokens +0.7%, 17 +2.5%, 65 +1.1%, 1024 +2.3%).
-SHARED_FIRST_TOKENS = 1
+# Up to this many tokens an MoE layer forks its shared experts before the router, past it after: forked first, they
+# start during the router and the routing, and leave the SMs sooner to the routed experts' gate/up kernel (at one
+# token 16-warp blocks that take a whole SM's registers). H100, graphed 61-layer K2 TP8 shard, alternated: one token
+# 5.09 -> 4.87 ms, two 6.63 -> 6.49; three the same (6.71); four +1.6%, six +0.9%, 8 +0.7%, 17 +2.5%, 1024 +2.3%.
+SHARED_FIRST_TOKENS = 2
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
