@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 import kdray.kernels.tree_verify_attention as tva
 from kdray.kernels.mla_rope_cache import mla_rope_cache
-from kdray.kernels.tree_verify_attention import (_grid_splits, _mma_smem_bytes, _num_splits, _tree_attention_cuda,
-                                                 combine_cols, gqa_tree_attention, mla_tree_attention,
-                                                 split_k_outputs, tree_attention_reference)
+from kdray.kernels.tree_verify_attention import (DECODE_SPLIT_TILES, _grid_splits, _mma_smem_bytes, _num_splits,
+                                                 _tree_attention_cuda, combine_cols, gqa_tree_attention,
+                                                 mla_tree_attention, split_k_outputs, tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
 
@@ -144,6 +144,12 @@ def test_launch_geometry():
     assert _num_splits(140, 2, 132) == 2  # at most one split per key tile
     assert _num_splits(133, 65, 132) == 4  # none reaches 85%: the fullest last wave (4 splits, 81%)
     assert _num_splits(8, 3, 132) == 3  # never more splits than key tiles
+    assert DECODE_SPLIT_TILES == 2
+    assert _grid_splits(1, 1, 1, 8, 1, 65, 132, 2) == 33  # one K2 query after 4096 keys: splits of two key tiles
+    assert _grid_splits(1, 1, 1, 8, 1, 65, 132) == 65  # one key tile a split where no more is asked (GQA)
+    assert _grid_splits(8, 8, 1, 8, 1, 65, 132, 2) == 16  # 8 sequences: 8 tiles x 16 splits of 5 key tiles already
+    assert _grid_splits(1, 1, 1, 8, 1, 512, 132, 2) == 132  # after 32k keys: 4 key tiles a split already
+    assert _grid_splits(17, 1, 17, 8, 1, 65, 132, 2) == 44  # a 17-node tree is not one query: 3 tiles x 44
     assert combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
     assert combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
     assert combine_cols(16640, 512, 132) == 256
@@ -180,7 +186,7 @@ MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
     "tree256": ([256, 3], [1000, 64], 8, 64),
     "tree1024": ([1024], [77], 8, 16),  # one split: 128 tiles fill the GPU
     "split-k": ([16, 1], [5000, 0], 8, 64),
-    "decode": ([1], [4096], 8, 64),  # K2's TP8 shard at one query: 65 splits of one key tile
+    "decode": ([1], [4096], 8, 64),  # K2's TP8 shard at one query: 33 splits of two key tiles (the last one)
     "decode-32k": ([1], [32767], 8, 16),  # 128 splits of 4
     "decode-ragged": ([1] * 16, [4095, 1, 63, 64, 65, 1000, 2047, 0, 129, 3333, 17, 511, 4097, 7, 255, 100], 8, 16),
     "decode-heads64": ([1, 1], [4095, 200], 64, 64),  # full 64-row tiles at one query

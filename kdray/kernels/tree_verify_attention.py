@@ -24,7 +24,8 @@ reference below.
 
 Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the grid
 gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once, and with a few waves of tiles as many as fill
-the last wave (``_num_splits``), each streaming an equal run of the sequence's key tiles and writing a partial;
+the last wave (``_num_splits``; MLA at one query a sequence, no fewer than two key tiles a split), each streaming an
+equal run of the sequence's key tiles and writing a partial;
 ``tva_combine`` then merges each row's partials, a warp per (row, 32-256 value columns). Both halves are spread over
 the GPU because one SM moves only tens of GB/s. Measured on the H200 at one K2 query after 4096 keys, the earlier
 form, where the tile's last CTA merged 22 partials after each split had streamed 3 key tiles, spent 6.3 us in those
@@ -160,6 +161,7 @@ def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
     return _TILE * dk * 2 + 2 * stage + (128 * 16 * 4 + 128 * 2 * 4 if warpgroups > 1 else 0)
 
 
+DECODE_SPLIT_TILES = 2  # key tiles an MLA split streams at least at one query a sequence (_grid_splits)
 WAVE_FILL = 0.85  # past one wave of CTAs, key splits until the last wave is at least this full ...
 MAX_WAVE_SPLITS = 4  # ... with at most this many
 
@@ -205,15 +207,20 @@ def _query_tiles(T: int, B: int, group: int) -> int:
     return -(-T * group // _TILE) + min(B, T) - 1
 
 
-def _grid_splits(T: int, B: int, longest: int | None, group: int, kv_heads: int, key_tiles: int, slots: int) -> int:
+def _grid_splits(T: int, B: int, longest: int | None, group: int, kv_heads: int, key_tiles: int, slots: int,
+                 decode_tiles: int = 1) -> int:
     """The grid's key splits for ``T`` queries of ``B`` sequences (``longest``: the most queries one has, where the
     caller knows). Sequences of T / B queries each (a verify step's trees) are counted as they are; a ragged batch (a
     prompt chunk riding after a step's trees, whose keys are often many more) gets at least the splits its longest
     sequence would have alone: counted with the short sequences' tiles as equals, a 128-token chunk after 16k cached
     keys had one split instead of 4, and its step took 14.6 ms instead of 10.4 (H200, Llama-3.1-8B, 8 decoding
-    sequences)."""
+    sequences). At one query a sequence the splits stream at least ``decode_tiles`` key tiles each
+    (``DECODE_SPLIT_TILES`` for MLA: H100, K2 TP8 at one query after 4096 keys, graphed, 33 splits of 2 tiles against
+    65 of one took 1x0 -1.0%, 2x0 -2.0%; 3 tiles +0.9%, 5 +8%)."""
     likely = B * -(-(T // B) * group // _TILE) if T % B == 0 else _query_tiles(T, B, group)
     splits = _num_splits(kv_heads * likely, key_tiles, slots)
+    if T == B:  # one query a sequence
+        splits = min(splits, -(-key_tiles // decode_tiles))
     if longest is None or longest * B <= T:
         return splits
     return max(splits, _num_splits(kv_heads * -(-longest * group // _TILE), key_tiles, slots))
@@ -255,7 +262,8 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     n_splits = 1
     if mma is not None and tiles > 0:
         slots = sm_count(dev.index) * mma[2]
-        n_splits = _grid_splits(T, B, longest, group, kv_heads, -(-max_pages * page_size // _TILE), slots)
+        n_splits = _grid_splits(T, B, longest, group, kv_heads, -(-max_pages * page_size // _TILE), slots,
+                                DECODE_SPLIT_TILES if v_off == 0 else 1)  # MLA: values inside the key row
     out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, n_splits, dev, out)
     if T == 0 or B == 0:
         return out
