@@ -150,6 +150,7 @@ def test_launch_geometry():
     assert _grid_splits(8, 8, 1, 8, 1, 65, 132, 2) == 16  # 8 sequences: 8 tiles x 16 splits of 5 key tiles already
     assert _grid_splits(1, 1, 1, 8, 1, 512, 132, 2) == 132  # after 32k keys: 4 key tiles a split already
     assert _grid_splits(17, 1, 17, 8, 1, 65, 132, 2) == 44  # a 17-node tree is not one query: 3 tiles x 44
+    assert _grid_splits(1, 1, 1, 8, 1, 0, 132, 2) == 1  # an empty block table still gets its one split
     assert combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
     assert combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
     assert combine_cols(16640, 512, 132) == 256

@@ -220,7 +220,7 @@ def _grid_splits(T: int, B: int, longest: int | None, group: int, kv_heads: int,
     likely = B * -(-(T // B) * group // _TILE) if T % B == 0 else _query_tiles(T, B, group)
     splits = _num_splits(kv_heads * likely, key_tiles, slots)
     if T == B:  # one query a sequence
-        splits = min(splits, -(-key_tiles // decode_tiles))
+        splits = max(1, min(splits, -(-key_tiles // decode_tiles)))
     if longest is None or longest * B <= T:
         return splits
     return max(splits, _num_splits(kv_heads * -(-longest * group // _TILE), key_tiles, slots))
