@@ -187,7 +187,7 @@ MLA_CASES = {  # name: (q_lens, prefixes, heads, page_size)
     "tree256": ([256, 3], [1000, 64], 8, 64),
     "tree1024": ([1024], [77], 8, 16),  # one split: 128 tiles fill the GPU
     "split-k": ([16, 1], [5000, 0], 8, 64),
-    "decode": ([1], [4096], 8, 64),  # K2's TP8 shard at one query: 33 splits of two key tiles (the last one)
+    "decode": ([1], [4096], 8, 64),  # K2's TP8 shard at one query: 33 splits of two key tiles (the last of one)
     "decode-32k": ([1], [32767], 8, 16),  # 128 splits of 4
     "decode-ragged": ([1] * 16, [4095, 1, 63, 64, 65, 1000, 2047, 0, 129, 3333, 17, 511, 4097, 7, 255, 100], 8, 16),
     "decode-heads64": ([1, 1], [4095, 200], 64, 64),  # full 64-row tiles at one query

@@ -148,10 +148,12 @@ def gqa_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
 _MODULE = "tree_verify_attention"
 _TILE = 64  # rows per CTA and keys per tile (BM, BN in the .cu)
-_MMA = {  # (Dk, Dv, values inside the key row) -> (kernel, warpgroups, CTAs that fit on one SM)
-    (576, 512, True): ("tva_mma_mla576", 2, 1),
-    (64, 64, False): ("tva_mma_gqa64", 1, 4),
-    (128, 128, False): ("tva_mma_gqa128", 1, 2),
+DECODE_SPLIT_TILES = 2  # key tiles an MLA split streams at least at one query a sequence (_grid_splits)
+_MMA = {  # (Dk, Dv, values inside the key row) -> (kernel, warpgroups, CTAs that fit on one SM,
+    #                                            key tiles a split streams at least at one query a sequence)
+    (576, 512, True): ("tva_mma_mla576", 2, 1, DECODE_SPLIT_TILES),
+    (64, 64, False): ("tva_mma_gqa64", 1, 4, 1),
+    (128, 128, False): ("tva_mma_gqa128", 1, 2, 1),
 }
 
 
@@ -161,7 +163,6 @@ def _mma_smem_bytes(dk: int, dv: int, v_in_k: bool, warpgroups: int) -> int:
     return _TILE * dk * 2 + 2 * stage + (128 * 16 * 4 + 128 * 2 * 4 if warpgroups > 1 else 0)
 
 
-DECODE_SPLIT_TILES = 2  # key tiles an MLA split streams at least at one query a sequence (_grid_splits)
 WAVE_FILL = 0.85  # past one wave of CTAs, key splits until the last wave is at least this full ...
 MAX_WAVE_SPLITS = 4  # ... with at most this many
 
@@ -262,8 +263,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     n_splits = 1
     if mma is not None and tiles > 0:
         slots = sm_count(dev.index) * mma[2]
-        n_splits = _grid_splits(T, B, longest, group, kv_heads, -(-max_pages * page_size // _TILE), slots,
-                                DECODE_SPLIT_TILES if v_off == 0 else 1)  # MLA: values inside the key row
+        n_splits = _grid_splits(T, B, longest, group, kv_heads, -(-max_pages * page_size // _TILE), slots, mma[3])
     out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, n_splits, dev, out)
     if T == 0 or B == 0:
         return out
@@ -278,7 +278,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
         launch(_MODULE, kernel, (T * hq,), (128,), inputs + (out, i32(B), i32(hq), i32(kv_heads), i32(dk), i32(dv))
                + geo_args, shared_mem=(dk + 4 * (dv + 2)) * 4, device=dev)
         return out
-    kernel, warpgroups, _ = mma
+    kernel, warpgroups, _, _ = mma
     defines = (("ATTN_MMA_SYNC", 1),) if mma_sync else ()
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
            inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits), i32(early_prefix)),
