@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 import kdray.kernels.tree_verify_attention as tva
 from kdray.kernels.mla_rope_cache import mla_rope_cache
-from kdray.kernels.tree_verify_attention import (DECODE_SPLIT_TILES, _grid_splits, _mma_smem_bytes, _num_splits,
-                                                 _tree_attention_cuda, combine_cols, gqa_tree_attention,
-                                                 mla_tree_attention, split_k_outputs, tree_attention_reference)
+from kdray.kernels.cuda_module import sm90_or_later
+from kdray.kernels.tree_verify_attention import (CLUSTER_SPLITS, DECODE_SPLIT_TILES, _cluster_splits, _grid_splits,
+                                                 _mma_smem_bytes, _num_splits, _tree_attention_cuda, combine_cols,
+                                                 gqa_tree_attention, mla_tree_attention, split_k_outputs,
+                                                 tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
 
@@ -144,13 +146,18 @@ def test_launch_geometry():
     assert _num_splits(140, 2, 132) == 2  # at most one split per key tile
     assert _num_splits(133, 65, 132) == 4  # none reaches 85%: the fullest last wave (4 splits, 81%)
     assert _num_splits(8, 3, 132) == 3  # never more splits than key tiles
-    assert DECODE_SPLIT_TILES == 2
+    assert DECODE_SPLIT_TILES == 2 and CLUSTER_SPLITS == 8  # the cases below
     assert _grid_splits(1, 1, 1, 8, 1, 65, 132, 2) == 33  # one K2 query after 4096 keys: splits of two key tiles
     assert _grid_splits(1, 1, 1, 8, 1, 65, 132) == 65  # one key tile a split where no more is asked (GQA)
-    assert _grid_splits(8, 8, 1, 8, 1, 65, 132, 2) == 16  # 8 sequences: 8 tiles x 16 splits of 5 key tiles already
+    assert _grid_splits(8, 8, 1, 8, 1, 65, 132, 2) == 16  # 8 sequences: 8 tiles x 16 splits of 5 key tiles
     assert _grid_splits(1, 1, 1, 8, 1, 512, 132, 2) == 132  # after 32k keys: 4 key tiles a split already
     assert _grid_splits(17, 1, 17, 8, 1, 65, 132, 2) == 44  # a 17-node tree is not one query: 3 tiles x 44
     assert _grid_splits(1, 1, 1, 8, 1, 0, 132, 2) == 1  # an empty block table still gets its one split
+    assert _cluster_splits(33, 1, 65, 132) == 40  # 32 would take 3 key tiles a split
+    assert _cluster_splits(44, 3, 65, 132) == 40  # still 2 key tiles a split
+    assert _cluster_splits(16, 8, 65, 132) == 16
+    assert _cluster_splits(33, 4, 65, 132) is None  # 4 x 40 splits would take a second wave
+    assert _cluster_splits(132, 1, 512, 132) == 128
     assert combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
     assert combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
     assert combine_cols(16640, 512, 132) == 256
@@ -360,6 +367,54 @@ def test_repeated_calls_and_graph_replays_agree(name):
         assert torch.equal(out, first)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,prefixes,clusters", [
+    ([1], [4096], 5),  # one K2 query: 33 -> 40 splits of 2 key tiles, the last cluster's 8th idle
+    ([1, 1], [4096, 3000], 10),
+    ([1, 1, 1], [959, 129, 1], 3),  # one cluster a tile (16 key tiles, 8 splits): 8 used, 6 and 7 idle
+    ([1, 1, 1], [1000, 129, 1], 6),  # 17 key tiles: 9 splits of 2 rounded up to 16, two clusters a tile
+    ([16, 1], [5000, 0], None),  # a tree: 3 tiles x 5 clusters, or tva_combine where 15 are not resident at once
+    ([1], [32767], None),  # 16 clusters of 4 key tiles a split, the same
+], ids=["decode", "two-sequences", "one-cluster-idle-splits", "two-clusters-idle-splits", "tree", "decode-32k"])
+def test_splits_merged_in_the_kernel(q_lens, prefixes, clusters, monkeypatch):
+    """On sm_90 the MLA kernel's key splits merge inside it (a cluster's splits through distributed shared memory,
+    several clusters' by the last ticket), with no tva_combine launch: every launch, eager or replayed, matches the
+    reference and leaves the tickets zero for the next."""
+    dev = torch.cuda.current_device()
+    if not sm90_or_later(dev):
+        pytest.skip("thread-block clusters need sm_90")
+    launched = []
+    real_launch = tva.launch
+    monkeypatch.setattr(tva, "launch", lambda name, kernel, grid, *a, **k: (launched.append(
+        (kernel, grid, k.get("defines", ()))), real_launch(name, kernel, grid, *a, **k))[1])
+    scale = 0.13
+    case = make_case(q_lens, prefixes, heads=8, page_size=64, dtype=torch.bfloat16, device="cuda",
+                     seed=sum(prefixes))
+    shape = (case[0].shape[0], 8, MLA_DV)
+
+    def fn(*a, out):
+        return mla_tree_attention(*a, scale, MLA_DV, out=out, longest=max(q_lens))
+
+    first = _run(fn, case, shape, torch.bfloat16)
+    in_kernel = ("TVA_CLUSTER", CLUSTER_SPLITS) in launched[0][2]
+    assert [k for k, _, _ in launched] == ["tva_mma_mla576"] if in_kernel else ["tva_mma_mla576", "tva_combine"]
+    if clusters is not None:  # few enough to be resident at once on any sm_90 part
+        assert in_kernel and launched[0][1][0] * launched[0][1][1] == clusters * CLUSTER_SPLITS
+    ref = _reference(case, None, scale)
+    assert _rel_err(first, ref) < 2e-2, _where_wrong(first, ref)
+    tickets = tva._TICKETS.get(dev, torch.zeros(1))
+    assert not tickets.any() and torch.equal(_run(fn, case, shape, torch.bfloat16), first) and not tickets.any()
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*case, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first) and not tickets.any()
+
+
 COMBINE_CASES = [("mla", vw) for vw in (32, 64, 128, 256)] + [("llama", vw) for vw in (32, 64, 128)]
 
 
@@ -369,6 +424,7 @@ def test_every_combine_width_matches_reference(form, vw, monkeypatch):
     """tva_combine at each width of value columns per warp (the host picks one by the row count), on ragged
     sequences of split and unsplit keys."""
     monkeypatch.setattr(tva, "combine_cols", lambda rows, dv, sms: vw)
+    monkeypatch.setattr(tva, "_CLUSTER_KERNELS", set())  # MLA's splits too through tva_combine
     hkv, d, hq = (None, MLA_DK, 8) if form == "mla" else (8, 128, 32)
     scale = 0.13
     case = make_case([16, 1, 3, 40], [5000, 2100, 0, 700], heads=hq, kv_heads=hkv, head_dim=d, page_size=64,

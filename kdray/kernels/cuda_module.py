@@ -178,6 +178,28 @@ def _kernel_param(a):
     raise TypeError(f"kernel argument of type {type(a).__name__}: pass a tensor or a NumPy scalar")
 
 
+@functools.cache
+def max_active_clusters(name: str, kernel: str, device_index: int, defines: tuple[tuple[str, int], ...],
+                        cluster: tuple[int, int, int], threads: int, shared_mem: int) -> int:
+    """How many thread-block clusters of ``kernel`` (compiled with ``defines`` and the cluster dims ``cluster``) the
+    device holds at once with blocks of ``threads`` threads and ``shared_mem`` bytes of dynamic shared memory
+    (``cuOccupancyMaxActiveClusters``): a grid of more runs them in waves."""
+    import cupy
+
+    entry = _kernel(name, kernel, device_index, defines)
+    fn = entry[0]
+    if shared_mem > entry[1]:
+        fn.max_dynamic_shared_size_bytes = entry[1] = shared_mem
+    config = _LaunchConfig(grid=_dim3(cluster), block=_dim3((threads,)), shared_mem=shared_mem, num_attrs=0)
+    count = ctypes.c_int()
+    with cupy.cuda.Device(device_index):
+        err = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.kernel.ptr),
+                                                     ctypes.byref(config))
+    if err:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed for {kernel}: CUDA driver error {err}")
+    return count.value
+
+
 def _launch_dependent(function: int, grid, block, args, shared_mem: int, stream: int):
     """``cuLaunchKernelEx`` with programmatic stream serialization allowed."""
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)

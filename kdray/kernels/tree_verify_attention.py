@@ -18,26 +18,30 @@ GQA form (Llama family): ``q [T, Hq, D]``, ``kv_cache [P, S, 2, Hkv, D]`` (keys 
 output ``[T, Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
 
 CUDA tensors run the kernels in ``cuda/tree_verify_attention.cu`` (tensor cores for bf16 with the head dims
-in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two with key splits), no host
-sync, one allocation (the output), so a verify step can be captured in a CUDA graph. CPU tensors run the torch
-reference below.
+in ``_MMA``, a CUDA-core fallback for fp32 and other dims); one launch (two with key splits merged by
+``tva_combine``), no host sync, one allocation (the output), so a verify step can be captured in a CUDA graph. CPU
+tensors run the torch reference below.
 
 Key splits (flash-decoding, tensor-core path). With few 64-row tiles (one query of K2: 8 heads, 1 tile) the grid
 gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once, and with a few waves of tiles as many as fill
 the last wave (``_num_splits``; MLA at one query a sequence, no fewer than two key tiles a split), each streaming an
 equal run of the sequence's key tiles and writing a partial;
 ``tva_combine`` then merges each row's partials, a warp per (row, 32-256 value columns). Both halves are spread over
-the GPU because one SM moves only tens of GB/s. Measured on the H200 at one K2 query after 4096 keys, the earlier
-form, where the tile's last CTA merged 22 partials after each split had streamed 3 key tiles, spent 6.3 us in those
-tiles and 5.7 us in that merge, and trees spent 4-7 us writing their partials 4 bytes at a time; the partials now
-leave through shared memory as 16-byte stores (``benchmarks/results/tree-attention-2026-12-02-h200-session16.txt``).
+the GPU because one SM moves only tens of GB/s. On sm_90 the MLA kernel's splits (8 or more) merge inside it instead
+(``_CLUSTER_KERNELS``): its splits are clusters of ``CLUSTER_SPLITS`` blocks; the blocks of a cluster merge its
+splits through distributed shared memory, each block its share of the value columns, and with several clusters the
+one that takes the last of a per-tile ticket merges their partials, so no second launch follows. Measured on the
+H200 at one K2 query after 4096 keys, an earlier form, where the tile's last CTA merged 22 partials alone after each
+split had streamed 3 key tiles, spent 6.3 us in those tiles and 5.7 us in that merge, and trees spent 4-7 us writing
+their partials 4 bytes at a time; the partials leave through shared memory as 16-byte stores
+(``benchmarks/results/tree-attention-2026-12-02-h200-session16.txt``).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kdray.kernels.cuda_module import launch, sm_count
+from kdray.kernels.cuda_module import launch, max_active_clusters, sm90_or_later, sm_count
 
 
 def _visible(tree_mask_b: torch.Tensor, prefix: int, q_len: int) -> torch.Tensor:
@@ -179,6 +183,53 @@ def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
     return next((s for s, f in fill.items() if f >= WAVE_FILL), max(fill, key=fill.get))
 
 
+CLUSTER_SPLITS = 8  # splits a cluster merges in distributed shared memory (_CLUSTER_KERNELS on sm_90)
+_CLUSTER_KERNELS = {"tva_mma_mla576"}
+MAX_TICKETS = 1 << 14  # (tile, KV head) pairs of one launch that can merge in the kernel
+_TICKETS: dict[int, torch.Tensor] = {}
+
+
+def _merge_in_kernel(dev: torch.device, kernel: str, warpgroups: int, smem: int, tiles: int, n_splits: int,
+                     key_tiles: int, slots: int) -> tuple[int, torch.Tensor] | None:
+    """(the grid's splits as whole clusters, the device's tickets) where the key splits of ``tiles`` (tile, KV head)
+    pairs merge inside ``kernel``: one in ``_CLUSTER_KERNELS`` on sm_90 with ``CLUSTER_SPLITS`` splits or more, and
+    every cluster of the grid resident at once (H100, K2 TP8, 8x0: 16 clusters, 7% slower than tva_combine). Else
+    None (tva_combine merges)."""
+    if kernel not in _CLUSTER_KERNELS or n_splits < CLUSTER_SPLITS or not sm90_or_later(dev.index):
+        return None
+    clustered = _cluster_splits(n_splits, tiles, key_tiles, slots)
+    if clustered is None or tiles * clustered // CLUSTER_SPLITS > max_active_clusters(
+            _MODULE, kernel, dev.index, (("TVA_CLUSTER", CLUSTER_SPLITS),), (1, CLUSTER_SPLITS, 1), 128 * warpgroups,
+            smem):
+        return None
+    tickets = _split_tickets(dev, tiles)
+    return None if tickets is None else (clustered, tickets)
+
+
+def _split_tickets(dev: torch.device, n: int) -> torch.Tensor | None:
+    """The device's split-merge tickets (int32 zeros, which every launch leaves zero), or None where ``n`` (tile, KV
+    head) pairs are more than ``MAX_TICKETS``, or the tickets would first be made inside a CUDA graph capture (made
+    outside one, they outlive every graph)."""
+    tickets = _TICKETS.get(dev.index)
+    if tickets is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        tickets = _TICKETS[dev.index] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=dev)
+    return tickets if n <= MAX_TICKETS else None
+
+
+def _cluster_splits(n_splits: int, tiles: int, key_tiles: int, slots: int) -> int | None:
+    """``n_splits`` (at least ``CLUSTER_SPLITS``) as whole clusters: the multiple of ``CLUSTER_SPLITS`` below it if
+    its splits take as many key tiles each, else the one above it if ``tiles`` x that still fill the GPU at most once
+    (``slots``), else None (one query after 4096 keys, 33 splits of 2 key tiles: 40, not 32 of 3)."""
+    per = -(-key_tiles // n_splits)
+    down = n_splits - n_splits % CLUSTER_SPLITS
+    if -(-key_tiles // down) == per:
+        return down
+    up = down + CLUSTER_SPLITS
+    return up if tiles * up <= slots else None
+
+
 def split_k_outputs(T: int, heads: int, dv: int, dtype: torch.dtype, n_splits: int, device: torch.device,
                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | int, torch.Tensor | int]:
     """(the output ``[T, heads, dv]`` in ``dtype``, or ``out``; the split-K partials ``ws_o`` and ``ws_ml``) for a
@@ -260,11 +311,17 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
 
     group = hq // kv_heads
     tiles = _query_tiles(T, B, group)
-    n_splits = 1
+    n_splits, smem, tickets = 1, 0, None
     if mma is not None and tiles > 0:
-        slots = sm_count(dev.index) * mma[2]
-        n_splits = _grid_splits(T, B, longest, group, kv_heads, -(-max_pages * page_size // _TILE), slots, mma[3])
-    out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, n_splits, dev, out)
+        slots, key_tiles = sm_count(dev.index) * mma[2], -(-max_pages * page_size // _TILE)
+        smem = _mma_smem_bytes(dk, dv, v_off == 0, mma[1])
+        n_splits = _grid_splits(T, B, longest, group, kv_heads, key_tiles, slots, mma[3])
+        merge = None if mma_sync else _merge_in_kernel(dev, mma[0], mma[1], smem, tiles * kv_heads, n_splits,
+                                                       key_tiles, slots)
+        if merge is not None:
+            n_splits, tickets = merge
+    partials = n_splits if tickets is None else n_splits // CLUSTER_SPLITS  # cluster c's partial at split c
+    out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, partials, dev, out)
     if T == 0 or B == 0:
         return out
 
@@ -280,10 +337,13 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
         return out
     kernel, warpgroups, _, _ = mma
     defines = (("ATTN_MMA_SYNC", 1),) if mma_sync else ()
+    if tickets is not None:
+        defines += (("TVA_CLUSTER", CLUSTER_SPLITS),)
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
-           inputs + (out, ws_o, ws_ml) + shape_args + geo_args + (i32(n_splits), i32(early_prefix)),
-           shared_mem=_mma_smem_bytes(dk, dv, v_off == 0, warpgroups), device=dev, defines=defines)
-    if n_splits > 1:
+           inputs + (out, ws_o, ws_ml, 0 if tickets is None else tickets) + shape_args + geo_args
+           + (i32(n_splits), i32(early_prefix)),
+           shared_mem=smem, device=dev, defines=defines)
+    if n_splits > 1 and tickets is None:
         vw = combine_cols(T * hq, dv, sm_count(dev.index))
         launch(_MODULE, "tva_combine", (-(-T * hq * (dv // vw) // 4),), (128,),
                (ws_o, ws_ml, out, cu_q, prefix_lens, i32(B), i32(T), i32(hq), i32(dv), i32(n_splits), i32(vw)),

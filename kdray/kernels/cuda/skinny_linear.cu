@@ -65,21 +65,8 @@ __device__ __forceinline__ vec8 load_stream(const elem_t* p) {
 }
 
 #if CLUSTER > 1  // clusters: sm_90 and later (kernels/skinny_linear.py launches CLUSTER 1 elsewhere)
+#include "cluster.cuh"
 #define CLUSTER_DIMS __cluster_dims__(1, CLUSTER, 1)
-
-// Every thread of the cluster waits here until all have arrived; shared-memory writes before it are visible after.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// p (this block's shared memory) in the cluster's block `rank`.
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
 #else
 #define CLUSTER_DIMS
 #endif

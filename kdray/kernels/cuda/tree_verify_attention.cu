@@ -11,12 +11,19 @@
 //            reaching the other warpgroup through shared memory. Products: wgmma on sm_90a, mma.sync
 //            m16n8k16 elsewhere or with ATTN_MMA_SYNC defined; both share every layout. With several
 //            splits (flash-decoding) each CTA writes its partial to the workspace and tva_combine merges
-//            them (out = sum_s w_s O_s / sum_s w_s), spread over the GPU.
+//            them (out = sum_s w_s O_s / sum_s w_s), spread over the GPU; or, compiled with TVA_CLUSTER
+//            (sm_90a), the splits merge inside the kernel: see cluster_merge below.
 // tva_simt_*  any head dims, fp32 or bf16: one CTA per row on the CUDA cores (correctness fallback).
 #include <cuda_bf16.h>
 
 #include "griddep.cuh"
 #include "attention_tile.cuh"
+#ifndef TVA_CLUSTER
+#define TVA_CLUSTER 1
+#endif
+#if TVA_CLUSTER > 1
+#include "cluster.cuh"
+#endif
 
 // Does query row `mrow` (its tree_mask words) see cache position prefix + jj? (jj < 0: the prefix.)
 __device__ __forceinline__ bool visible(const int* mrow, int jj, int tree_n) {
@@ -41,11 +48,118 @@ struct MmaCfg {
 // recomputes it.
 __device__ __forceinline__ int tiles_per_split(int nb, int n_splits) { return max(1, (nb + n_splits - 1) / n_splits); }
 
+#if TVA_CLUSTER > 1
+// A running merge of split partials for 8 value columns of one row: out = sum_s w_s O_s / sum_s w_s, each O_s
+// normalised by its own sum, (m_s, l_s) = (max in log2 units, sum), w_s = l_s 2^(m_s - max_s m_s); partials are
+// added N at a time, all of a round's loads in flight.
+struct SplitMerge {
+  float mx = -INFINITY, wsum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+
+  // Adds partials 0 .. n - 1 (n <= N); load(s, ml, v) gives partial s's (max, sum) and its 8 bf16 columns.
+  template <int N, class Load>
+  __device__ __forceinline__ void add(int n, Load load) {
+    float2 ml[N];
+    uint4 v[N];
+#pragma unroll
+    for (int s = 0; s < N; ++s)
+      if (s < n) load(s, ml[s], v[s]);
+    float nm = mx;
+#pragma unroll
+    for (int s = 0; s < N; ++s)
+      if (s < n) nm = fmaxf(nm, ml[s].x);
+    const float mu = nm == -INFINITY ? 0.f : nm;  // no visible key yet: keep exp2 finite
+    const float f = exp2f(mx - mu);                // the merged part's factor (0 while it is empty)
+    wsum *= f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] *= f;
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+      if (s >= n) continue;
+      const float w = ml[s].y * exp2f(ml[s].x - mu);
+      const u32 h[4] = {v[s].x, v[s].y, v[s].z, v[s].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
+        acc[2 * c] = fmaf(w, x.x, acc[2 * c]);
+        acc[2 * c + 1] = fmaf(w, x.y, acc[2 * c + 1]);
+      }
+      wsum += w;
+    }
+    mx = nm;
+  }
+
+  // The merged columns, normalised, as 16 bytes at dst; returns their (max, sum).
+  __device__ __forceinline__ float2 store(bf16* dst) const {
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    *reinterpret_cast<uint4*>(dst) =
+        make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
+                   pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
+    return make_float2(mx, wsum);
+  }
+};
+
+// The key splits of a tile merge inside the kernel, with no tva_combine launch: the grid's splits are TVA_CLUSTER-
+// block clusters. Each split's rows (staged at smem, normalised, row_bytes apart) and (max, sum) pairs (ml_sm) stay
+// in its shared memory; block `rank` of a cluster merges the cluster's splits for its 1 / TVA_CLUSTER of the value
+// columns, reading them through distributed shared memory. With one cluster holding keys that is the output; with
+// more, each cluster writes its merged partial to the workspace (cluster c at split c) and takes a ticket (`ticket`,
+// zero before the launch and left zero), and the cluster that takes the last one merges the clusters' partials, each
+// block its columns. An idle split (no keys: empty loop) counts with sum 0.
+template <int DV, int THREADS, class OutRow>
+__device__ __forceinline__ void cluster_merge(const unsigned char* smem, int row_bytes, const float2* ml_sm, int* flag,
+                                              bf16* __restrict__ out, bf16* __restrict__ ws_o,
+                                              float2* __restrict__ ws_ml, int* ticket, int rows, long long rows_total,
+                                              int cl, int clusters, OutRow out_row) {
+  constexpr int CH = DV / 8 / TVA_CLUSTER;  // 16-byte column chunks a block merges
+  static_assert(DV % (8 * TVA_CLUSTER) == 0, "each block of a cluster merges whole 16-byte chunks");
+  const unsigned rank = cluster_rank();
+  cluster_sync();  // every split's rows and (max, sum) pairs are staged
+  bf16* const dst = clusters == 1 ? out : ws_o + cl * rows_total * DV;
+  for (int it = threadIdx.x; it < rows * CH; it += THREADS) {
+    const int r = it / CH, c = rank * CH + it % CH;
+    const uint4* part = reinterpret_cast<const uint4*>(smem + o_swz(r, c, row_bytes));
+    SplitMerge merge;
+    merge.add<TVA_CLUSTER>(TVA_CLUSTER, [&](int s, float2& ml, uint4& v) {
+      ml = ld_cluster(ml_sm + r, s);
+      v = ld_cluster(part, s);
+    });
+    const float2 ml = merge.store(dst + out_row(r) * DV + c * 8);
+    if (clusters > 1 && c == 0) ws_ml[cl * rows_total + out_row(r)] = ml;
+  }
+  if (clusters == 1) {
+    cluster_sync();  // no block leaves (its shared memory) before the others have read it
+    return;
+  }
+  __threadfence();  // this cluster's partial is visible to every block before its ticket
+  cluster_sync();   // ... and the cluster's peers are done reading this block's shared memory
+  if (rank == 0 && threadIdx.x == 0) {
+    const int last = atomicAdd(ticket, 1) == clusters - 1;
+    if (last) *ticket = 0;  // every cluster has taken its ticket: ready for the next launch
+#pragma unroll
+    for (int b = 0; b < TVA_CLUSTER; ++b) st_cluster(flag, b, last);
+  }
+  cluster_sync();  // the flags are written
+  if (!*flag) return;
+  __threadfence();
+  for (int it = threadIdx.x; it < rows * CH; it += THREADS) {
+    const int r = it / CH, c = rank * CH + it % CH;
+    const long long row = out_row(r);
+    SplitMerge merge;
+    for (int s0 = 0; s0 < clusters; s0 += TVA_CLUSTER)
+      merge.add<TVA_CLUSTER>(min(TVA_CLUSTER, clusters - s0), [&](int s, float2& ml, uint4& v) {
+        ml = __ldcg(ws_ml + (s0 + s) * rows_total + row);
+        v = __ldcg(reinterpret_cast<const uint4*>(ws_o + ((s0 + s) * rows_total + row) * DV + c * 8));
+      });
+    merge.store(out + row * DV + c * 8);
+  }
+}
+#endif
+
 template <int DK, int DV, bool V_IN_K, int NWG>
 __device__ __forceinline__ void tva_mma_body(
     const bf16* __restrict__ q, const bf16* __restrict__ kv, const int* __restrict__ block_table,
     const int* __restrict__ prefix_lens, const int* __restrict__ cu_q, const int* __restrict__ tree_mask,
-    bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int B,
+    bf16* __restrict__ out, bf16* __restrict__ ws_o, float2* __restrict__ ws_ml, int* __restrict__ tickets, int B,
     int T, int Hq, int Hkv, int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off,
     float scale_log2, int n_splits, int early_prefix) {
   using C = MmaCfg<DK, DV, V_IN_K, NWG>;
@@ -61,7 +175,11 @@ __device__ __forceinline__ void tva_mma_body(
   // This tile's key tiles are cut into `used` runs of `per`; grid splits past them have nothing to do.
   const int rows = min(BM, q_len * G - tile * BM), nb = (n_keys + BN - 1) / BN;
   const int per = tiles_per_split(nb, n_splits), used = (nb + per - 1) / per;
+#if TVA_CLUSTER > 1  // a cluster with a used split stays whole (its idle splits hold no keys); one split runs alone
+  if (used == 1 ? split > 0 : split / TVA_CLUSTER * TVA_CLUSTER >= used) return;
+#else
   if (split >= used) return;
+#endif
   int kb = split * per;
   const int kb_end = min(kb + per, nb);
 
@@ -193,6 +311,19 @@ __device__ __forceinline__ void tva_mma_body(
     const int gr = tile * BM + r;
     return (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
   };
+#if TVA_CLUSTER > 1
+  if (used > 1) {
+    float2* ml_sm = reinterpret_cast<float2*>(smem + C::X_OFF + 128 * 16 * 4);  // [BM] over the factors
+    if (wg == 0 && t4 == 0) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) ml_sm[r0 + 8 * e] = make_float2(m[e], l[e]);
+    }
+    cluster_merge<DV, NWG * 128>(smem, C::O_ROW_BYTES, ml_sm, reinterpret_cast<int*>(smem + C::X_OFF), out, ws_o,
+                                 ws_ml, tickets + (long long)blockIdx.x * gridDim.z + kvh, rows, rows_total,
+                                 split / TVA_CLUSTER, (used + TVA_CLUSTER - 1) / TVA_CLUSTER, out_row);
+    return;
+  }
+#endif
   bf16* const dst = used == 1 ? out : ws_o + split * rows_total * DV;
   if (used > 1 && wg == 0 && t4 == 0) {
 #pragma unroll
@@ -210,15 +341,20 @@ __device__ __forceinline__ void tva_mma_body(
 
 #define TVA_MMA_ARGS                                                                                        \
   const bf16 *q, const bf16 *kv, const int *block_table, const int *prefix_lens, const int *cu_q,            \
-      const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int B, int T, int Hq, int Hkv,             \
+      const int *tree_mask, bf16 *out, bf16 *ws_o, float2 *ws_ml, int *tickets, int B, int T, int Hq, int Hkv, \
       int page_shift, int max_pages, int Qmax, int W, int row_stride, int v_off, float scale_log2, int n_splits, \
       int early_prefix
 #define TVA_MMA_PASS                                                                                        \
-  q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, B, T, Hq, Hkv, page_shift, max_pages,   \
-      Qmax, W, row_stride, v_off, scale_log2, n_splits, early_prefix
+  q, kv, block_table, prefix_lens, cu_q, tree_mask, out, ws_o, ws_ml, tickets, B, T, Hq, Hkv, page_shift,      \
+      max_pages, Qmax, W, row_stride, v_off, scale_log2, n_splits, early_prefix
 
 // MLA latent (576-dim keys, values = their first 512 columns, one KV head).
-extern "C" __global__ void __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
+#if TVA_CLUSTER > 1
+#define TVA_CLUSTER_DIMS __cluster_dims__(1, TVA_CLUSTER, 1)
+#else
+#define TVA_CLUSTER_DIMS
+#endif
+extern "C" __global__ void TVA_CLUSTER_DIMS __launch_bounds__(256, 1) tva_mma_mla576(TVA_MMA_ARGS) {
   griddep_launch_dependents();  // tva_mma_body waits
   tva_mma_body<576, 512, true, 2>(TVA_MMA_PASS);
 }
