@@ -340,6 +340,19 @@ REPEAT_CASES = {  # name: (q_lens, prefixes, Hq, Hkv or None (MLA), D, page_size
 }
 
 
+def _graph_replays(fn, case, shape, n: int):
+    """The bf16 output ``shape`` after each of ``n`` replays of ``fn`` captured in a CUDA graph, each poisoned first."""
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*case, out=out)
+    for _ in range(n):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(REPEAT_CASES))
 def test_repeated_calls_and_graph_replays_agree(name):
@@ -356,14 +369,7 @@ def test_repeated_calls_and_graph_replays_agree(name):
     assert _rel_err(first, ref) < 2e-2, _where_wrong(first, ref)
     for _ in range(2):
         assert torch.equal(_run(fn, case, shape, torch.bfloat16), first)
-    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*case, out=out)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for out in _graph_replays(fn, case, shape, 2):
         assert torch.equal(out, first)
 
 
@@ -404,14 +410,7 @@ def test_splits_merged_in_the_kernel(q_lens, prefixes, clusters, monkeypatch):
     assert _rel_err(first, ref) < 2e-2, _where_wrong(first, ref)
     tickets = tva._TICKETS.get(dev, torch.zeros(1))
     assert not tickets.any() and torch.equal(_run(fn, case, shape, torch.bfloat16), first) and not tickets.any()
-    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*case, out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for out in _graph_replays(fn, case, shape, 3):
         assert torch.equal(out, first) and not tickets.any()
 
 
