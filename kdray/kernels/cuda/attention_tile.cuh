@@ -239,6 +239,24 @@ __device__ __forceinline__ void stage_rows(unsigned char* smem, const float (&o)
   }
 }
 
+// acc[0..7] += w x the 8 bf16 values in v (one split's 16 bytes of a row's partial).
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[8], float w, uint4 v) {
+  const u32 h[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
+    acc[2 * c] = fmaf(w, x.x, acc[2 * c]);
+    acc[2 * c + 1] = fmaf(w, x.y, acc[2 * c + 1]);
+  }
+}
+
+// acc[0..7] x inv as 8 bf16 values: 16 bytes at dst.
+__device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&acc)[8], float inv) {
+  *reinterpret_cast<uint4*>(dst) =
+      make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
+                 pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Split-K combine: out = sum_s w_s O_s / sum_s w_s with w_s = l_s 2^(m_s - max), over the `used` splits that hold
 // keys of the row (tva_combine, mla_prefill_combine). Partials: ws_o [n_splits, rows_total, DV] bf16 (each normalised
@@ -278,13 +296,7 @@ __device__ __forceinline__ void combine_cols(const bf16* __restrict__ ws_o, cons
     }
 #pragma unroll
     for (int k = 0; k < NL; ++k) {
-      const u32 h[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
-        acc[2 * c] = fmaf(w[k], x.x, acc[2 * c]);
-        acc[2 * c + 1] = fmaf(w[k], x.y, acc[2 * c + 1]);
-      }
+      fma_bf16x8(acc, w[k], v[k]);
       wsum += w[k];
     }
   }
@@ -294,12 +306,7 @@ __device__ __forceinline__ void combine_cols(const bf16* __restrict__ ws_o, cons
     for (int c = 0; c < 8; ++c) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], x);
     wsum += __shfl_xor_sync(0xffffffffu, wsum, x);
   }
-  if (g == 0) {
-    const float inv = 1.f / wsum;
-    *reinterpret_cast<uint4*>(out + row * DV + col + sub * 8) =
-        make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
-                   pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
-  }
+  if (g == 0) store_bf16x8(out + row * DV + col + sub * 8, acc, 1.f / wsum);
 }
 
 // combine_cols at the VW the host picked; m_sm and l_sm: n_splits floats each, this warp's own.

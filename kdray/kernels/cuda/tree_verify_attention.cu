@@ -76,13 +76,7 @@ struct SplitMerge {
     for (int s = 0; s < N; ++s) {
       if (s >= n) continue;
       const float w = ml[s].y * exp2f(ml[s].x - mu);
-      const u32 h[4] = {v[s].x, v[s].y, v[s].z, v[s].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
-        acc[2 * c] = fmaf(w, x.x, acc[2 * c]);
-        acc[2 * c + 1] = fmaf(w, x.y, acc[2 * c + 1]);
-      }
+      fma_bf16x8(acc, w, v[s]);
       wsum += w;
     }
     mx = nm;
@@ -90,10 +84,7 @@ struct SplitMerge {
 
   // The merged columns, normalised, as 16 bytes at dst; returns their (max, sum).
   __device__ __forceinline__ float2 store(bf16* dst) const {
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    *reinterpret_cast<uint4*>(dst) =
-        make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
-                   pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
+    store_bf16x8(dst, acc, wsum > 0.f ? 1.f / wsum : 0.f);
     return make_float2(mx, wsum);
   }
 };
