@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import kdray.kernels.tree_verify_attention as tva
 from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.cuda_module import sm90_or_later
-from kdray.kernels.tree_verify_attention import (CLUSTER_SPLITS, DECODE_SPLIT_TILES, _cluster_splits, _grid_splits,
+from kdray.kernels.tree_verify_attention import (CLUSTER_SIZES, DECODE_SPLIT_TILES, _cluster_splits, _grid_splits,
                                                  _mma_smem_bytes, _num_splits, _tree_attention_cuda, combine_cols,
                                                  gqa_tree_attention, mla_tree_attention, split_k_outputs,
                                                  tree_attention_reference)
@@ -146,18 +146,21 @@ def test_launch_geometry():
     assert _num_splits(140, 2, 132) == 2  # at most one split per key tile
     assert _num_splits(133, 65, 132) == 4  # none reaches 85%: the fullest last wave (4 splits, 81%)
     assert _num_splits(8, 3, 132) == 3  # never more splits than key tiles
-    assert DECODE_SPLIT_TILES == 2 and CLUSTER_SPLITS == 8  # the cases below
+    assert DECODE_SPLIT_TILES == 2  # the cases below
     assert _grid_splits(1, 1, 1, 8, 1, 65, 132, 2) == 33  # one K2 query after 4096 keys: splits of two key tiles
     assert _grid_splits(1, 1, 1, 8, 1, 65, 132) == 65  # one key tile a split where no more is asked (GQA)
     assert _grid_splits(8, 8, 1, 8, 1, 65, 132, 2) == 16  # 8 sequences: 8 tiles x 16 splits of 5 key tiles
     assert _grid_splits(1, 1, 1, 8, 1, 512, 132, 2) == 132  # after 32k keys: 4 key tiles a split already
     assert _grid_splits(17, 1, 17, 8, 1, 65, 132, 2) == 44  # a 17-node tree is not one query: 3 tiles x 44
     assert _grid_splits(1, 1, 1, 8, 1, 0, 132, 2) == 1  # an empty block table still gets its one split
-    assert _cluster_splits(33, 1, 65, 132) == 40  # 32 would take 3 key tiles a split
-    assert _cluster_splits(44, 3, 65, 132) == 40  # still 2 key tiles a split
-    assert _cluster_splits(16, 8, 65, 132) == 16
-    assert _cluster_splits(33, 4, 65, 132) is None  # 4 x 40 splits would take a second wave
-    assert _cluster_splits(132, 1, 512, 132) == 128
+    assert _cluster_splits(33, 1, 65, 132, 8) == 40  # 32 would take 3 key tiles a split
+    assert _cluster_splits(33, 1, 65, 132, 4) == 36
+    assert _cluster_splits(44, 3, 65, 132, 8) == 40  # still 2 key tiles a split
+    assert _cluster_splits(16, 8, 65, 132, 8) == 16
+    assert _cluster_splits(33, 4, 65, 132, 8) is None  # 4 x 40 splits would take a second wave
+    assert _cluster_splits(33, 4, 65, 132, 4) is None  # 4 x 36, the same
+    assert _cluster_splits(132, 1, 512, 132, 8) == 128
+    assert _cluster_splits(132, 1, 512, 132, 4) == 132
     assert combine_cols(8, 512, 132) == 32  # one K2 query: 8 rows x 16 warps
     assert combine_cols(136, 512, 132) == 64  # 17 queries: 1088 warps, ~8 per SM
     assert combine_cols(16640, 512, 132) == 256
@@ -374,25 +377,35 @@ def test_repeated_calls_and_graph_replays_agree(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_lens,prefixes,clusters", [
-    ([1], [4096], 5),  # one K2 query: 33 -> 40 splits of 2 key tiles, the last cluster's 8th idle
-    ([1, 1], [4096, 3000], 10),
-    ([1, 1, 1], [959, 129, 1], 3),  # one cluster a tile (16 key tiles, 8 splits): 8 used, 6 and 7 idle
-    ([1, 1, 1], [1000, 129, 1], 6),  # 17 key tiles: 9 splits of 2 rounded up to 16, two clusters a tile
-    ([16, 1], [5000, 0], None),  # a tree: 3 tiles x 5 clusters, or tva_combine where 15 are not resident at once
-    ([1], [32767], None),  # 16 clusters of 4 key tiles a split, the same
-], ids=["decode", "two-sequences", "one-cluster-idle-splits", "two-clusters-idle-splits", "tree", "decode-32k"])
-def test_splits_merged_in_the_kernel(q_lens, prefixes, clusters, monkeypatch):
+@pytest.mark.parametrize("q_lens,prefixes,sizes,merged", [
+    ([1], [4096], (8, 4, 2), (8, 5)),  # one K2 query: 33 -> 40 splits of 2 key tiles, the last cluster's 8th idle
+    ([1, 1], [4096, 3000], (8, 4, 2), (8, 10)),
+    ([1, 1, 1], [959, 129, 1], (8, 4, 2), (8, 3)),  # one cluster a tile (16 key tiles, 8 splits): 8 used, 6 and 7 idle
+    ([1, 1, 1], [1000, 129, 1], (8, 4, 2), (8, 6)),  # 17 key tiles: 9 splits of 2 rounded up to 16, two clusters a tile
+    ([1], [4096], (4,), (4, 9)),  # 33 -> 36 splits, clusters of 4
+    ([1, 1], [4096, 1000], (4,), (4, 18)),
+    ([1, 1, 1], [959, 129, 1], (4,), (4, 6)),  # 8 splits, two clusters a tile: the 2nd tile's 2nd cluster idle
+    ([1], [2048], (2,), (2, 9)),  # 17 -> 18 splits, clusters of 2
+    ([1, 1, 1], [1000, 129, 1], (2,), (2, 15)),  # 9 -> 10 splits: five clusters a tile, some idle
+    ([16, 1], [5000, 0], (8, 4, 2), None),  # a tree: 4 tiles x 66 splits, 32 clusters of 8 where resident
+    ([1], [32767], (8, 4, 2), None),  # no clusters of 8 (128 splits take 5 key tiles), of 4 or 2 partials too many
+    ([1] * 8, [4096, 4000, 3000, 2048, 1024, 64, 1, 0], (8, 4, 2), None),  # 8 tiles x 16 splits: 16 of 8, 32 of 4
+    # or 64 of 2, the largest resident (on an H100, of 2)
+], ids=["decode", "two-sequences", "one-cluster-idle-splits", "two-clusters-idle-splits", "decode-by-4",
+        "two-sequences-by-4", "idle-cluster-by-4", "decode-by-2", "idle-clusters-by-2", "tree", "decode-32k", "eight-sequences"])
+def test_splits_merged_in_the_kernel(q_lens, prefixes, sizes, merged, monkeypatch):
     """On sm_90 the MLA kernel's key splits merge inside it (a cluster's splits through distributed shared memory,
-    several clusters' by the last ticket), with no tva_combine launch: every launch, eager or replayed, matches the
-    reference and leaves the tickets zero for the next."""
+    several clusters' by the last ticket), with no tva_combine launch, in clusters of the largest of ``sizes`` whose
+    clusters are all resident: every launch, eager or replayed, matches the reference and leaves the tickets zero
+    for the next. ``merged``: (blocks a cluster, clusters) where few enough to be resident on any sm_90 part."""
     dev = torch.cuda.current_device()
     if not sm90_or_later(dev):
         pytest.skip("thread-block clusters need sm_90")
+    monkeypatch.setattr(tva, "CLUSTER_SIZES", sizes)
     launched = []
     real_launch = tva.launch
     monkeypatch.setattr(tva, "launch", lambda name, kernel, grid, *a, **k: (launched.append(
-        (kernel, grid, k.get("defines", ()))), real_launch(name, kernel, grid, *a, **k))[1])
+        (kernel, grid, dict(k.get("defines", ())).get("TVA_CLUSTER"))), real_launch(name, kernel, grid, *a, **k))[1])
     scale = 0.13
     case = make_case(q_lens, prefixes, heads=8, page_size=64, dtype=torch.bfloat16, device="cuda",
                      seed=sum(prefixes))
@@ -402,16 +415,43 @@ def test_splits_merged_in_the_kernel(q_lens, prefixes, clusters, monkeypatch):
         return mla_tree_attention(*a, scale, MLA_DV, out=out, longest=max(q_lens))
 
     first = _run(fn, case, shape, torch.bfloat16)
-    in_kernel = ("TVA_CLUSTER", CLUSTER_SPLITS) in launched[0][2]
-    assert [k for k, _, _ in launched] == ["tva_mma_mla576"] if in_kernel else ["tva_mma_mla576", "tva_combine"]
-    if clusters is not None:  # few enough to be resident at once on any sm_90 part
-        assert in_kernel and launched[0][1][0] * launched[0][1][1] == clusters * CLUSTER_SPLITS
+    size = launched[0][2]
+    assert [k for k, _, _ in launched] == ["tva_mma_mla576"] if size else ["tva_mma_mla576", "tva_combine"]
+    if merged is not None:
+        assert (size, launched[0][1][0] * launched[0][1][1]) == (merged[0], merged[0] * merged[1])
     ref = _reference(case, None, scale)
     assert _rel_err(first, ref) < 2e-2, _where_wrong(first, ref)
     tickets = tva._TICKETS.get(dev, torch.zeros(1))
     assert not tickets.any() and torch.equal(_run(fn, case, shape, torch.bfloat16), first) and not tickets.any()
     for out in _graph_replays(fn, case, shape, 3):
         assert torch.equal(out, first) and not tickets.any()
+
+
+def test_split_merge_cluster_size_rule(monkeypatch):
+    """Where a grid's MLA key splits merge inside the kernel on an H100 (15 resident clusters of 8, 30 of 4, 66 of
+    2): in the largest clusters that are all resident, unless each block of a tile's last cluster would merge more
+    than MERGE_BLOCK_BYTES of the other clusters' partials."""
+    monkeypatch.setattr(tva, "sm90_or_later", lambda index: True)
+    monkeypatch.setattr(tva, "max_active_clusters", lambda *a: {8: 15, 4: 30, 2: 66}[dict(a[3])["TVA_CLUSTER"]])
+    monkeypatch.setattr(tva, "_split_tickets", lambda dev, n: "tickets")
+    kernel, warpgroups, _, tiles_a_split = tva._MMA[(MLA_DK, MLA_DV, True)]
+
+    def merge(T, B, longest, key_tiles=65):
+        tiles = tva._query_tiles(T, B, 8)
+        n_splits = _grid_splits(T, B, longest, 8, 1, key_tiles, 132, tiles_a_split)
+        rows = min(64, longest * 8)
+        got = tva._merge_in_kernel(torch.device("cpu"), kernel, warpgroups, 0, tiles, n_splits, key_tiles, 132,
+                                   rows * MLA_DV * 2)
+        return got and got[:2]
+
+    assert tva.MERGE_BLOCK_BYTES == 64 * 1024 and CLUSTER_SIZES == (8, 4, 2)
+    assert merge(1, 1, 1) == (8, 40)  # one query after 4096 keys: 5 clusters of 8
+    assert merge(17, 1, 17) == (8, 40)  # a 17-node tree: 3 tiles x 5 clusters of 8, 40 KiB a block
+    assert merge(8, 8, 1) == (2, 16)  # 8 sequences: 16 clusters of 8 or 32 of 4 are too many, 64 of 2 fit
+    assert merge(257, 1, 257) == (2, 4)  # 33 tiles x 4 splits: 33 clusters of 4 too many; of 2, 64 KiB a block
+    assert merge(65, 1, 65) is None  # 9 tiles x 14 splits: 7 clusters of 2 a tile, 224 KiB a block
+    assert merge(4, 4, 1) is None  # 4 tiles x 33 splits: 36 of 4, 34 of 2 would take a second wave
+    assert merge(1, 1, 1, key_tiles=513) is None  # 132 splits: 33 clusters of 4 too many, 66 of 2 264 KiB a block
 
 
 COMBINE_CASES = [("mla", vw) for vw in (32, 64, 128, 256)] + [("llama", vw) for vw in (32, 64, 128)]

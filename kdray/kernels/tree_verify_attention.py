@@ -27,10 +27,11 @@ gives each tile up to ``n_splits`` CTAs, as many as fill the GPU once, and with 
 the last wave (``_num_splits``; MLA at one query a sequence, no fewer than two key tiles a split), each streaming an
 equal run of the sequence's key tiles and writing a partial;
 ``tva_combine`` then merges each row's partials, a warp per (row, 32-256 value columns). Both halves are spread over
-the GPU because one SM moves only tens of GB/s. On sm_90 the MLA kernel's splits (8 or more) merge inside it instead
-(``_CLUSTER_KERNELS``): its splits are clusters of ``CLUSTER_SPLITS`` blocks; the blocks of a cluster merge its
-splits through distributed shared memory, each block its share of the value columns, and with several clusters the
-one that takes the last of a per-tile ticket merges their partials, so no second launch follows. Measured on the
+the GPU because one SM moves only tens of GB/s. On sm_90 the MLA kernel's splits merge inside it instead
+(``_CLUSTER_KERNELS``) wherever the grid's splits make whole clusters of one of ``CLUSTER_SIZES`` blocks that are all
+resident at once (the largest such size) and few enough a tile (``MERGE_BLOCK_BYTES``): the blocks of a cluster merge
+its splits through distributed shared memory, each block its share of the value columns, and with several clusters
+the one that takes the last of a per-tile ticket merges their partials, so no second launch follows. Measured on the
 H200 at one K2 query after 4096 keys, an earlier form, where the tile's last CTA merged 22 partials alone after each
 split had streamed 3 key tiles, spent 6.3 us in those tiles and 5.7 us in that merge, and trees spent 4-7 us writing
 their partials 4 bytes at a time; the partials leave through shared memory as 16-byte stores
@@ -183,27 +184,38 @@ def _num_splits(tiles: int, key_tiles: int, slots: int) -> int:
     return next((s for s, f in fill.items() if f >= WAVE_FILL), max(fill, key=fill.get))
 
 
-CLUSTER_SPLITS = 8  # splits a cluster merges in distributed shared memory (_CLUSTER_KERNELS on sm_90)
+# Blocks a cluster of key splits merges in distributed shared memory (_CLUSTER_KERNELS on sm_90), largest first: a
+# grid takes the largest whose clusters are all resident at once (an H100 holds 15 of 8 blocks, 30 of 4, 66 of 2).
+CLUSTER_SIZES = (8, 4, 2)
+# ... and where, with several clusters a tile, each block of the last one reads at most this many bytes of the
+# clusters' partials: they merge there, where tva_combine spreads them over the GPU. H100, K2 TP8 graphed, clusters
+# of 2 against tva_combine: 8 sequences at one query (8 partials of 8 rows, 32 KiB a block) 10.34 -> 10.11 ms, a
+# 257-node tree (2 of 64 rows, 64 KiB) 42.63 -> 42.37, a 65-node tree (7 of 64 rows, 224 KiB) 23.52 -> 24.01.
+MERGE_BLOCK_BYTES = 64 * 1024
 _CLUSTER_KERNELS = {"tva_mma_mla576"}
 MAX_TICKETS = 1 << 14  # (tile, KV head) pairs of one launch that can merge in the kernel
 _TICKETS: dict[int, torch.Tensor] = {}
 
 
 def _merge_in_kernel(dev: torch.device, kernel: str, warpgroups: int, smem: int, tiles: int, n_splits: int,
-                     key_tiles: int, slots: int) -> tuple[int, torch.Tensor] | None:
-    """(the grid's splits as whole clusters, the device's tickets) where the key splits of ``tiles`` (tile, KV head)
-    pairs merge inside ``kernel``: one in ``_CLUSTER_KERNELS`` on sm_90 with ``CLUSTER_SPLITS`` splits or more, and
-    every cluster of the grid resident at once (H100, K2 TP8, 8x0: 16 clusters, 7% slower than tva_combine). Else
-    None (tva_combine merges)."""
-    if kernel not in _CLUSTER_KERNELS or n_splits < CLUSTER_SPLITS or not sm90_or_later(dev.index):
+                     key_tiles: int, slots: int, tile_bytes: int) -> tuple[int, int, torch.Tensor] | None:
+    """(blocks a cluster, the grid's splits as whole clusters, the device's tickets) where the key splits of
+    ``tiles`` (tile, KV head) pairs, each of at most ``tile_bytes`` of output, merge inside ``kernel``: one in
+    ``_CLUSTER_KERNELS`` on sm_90, with clusters of the largest of ``CLUSTER_SIZES`` that the splits fill, whose
+    clusters are all resident at once (H100, K2 TP8, 8 sequences at one query: 16 clusters of 8, not all resident,
+    7% slower than tva_combine) and whose last cluster a tile merges at most ``MERGE_BLOCK_BYTES`` a block. Else None
+    (tva_combine merges)."""
+    if kernel not in _CLUSTER_KERNELS or not sm90_or_later(dev.index):
         return None
-    clustered = _cluster_splits(n_splits, tiles, key_tiles, slots)
-    if clustered is None or tiles * clustered // CLUSTER_SPLITS > max_active_clusters(
-            _MODULE, kernel, dev.index, (("TVA_CLUSTER", CLUSTER_SPLITS),), (1, CLUSTER_SPLITS, 1), 128 * warpgroups,
-            smem):
-        return None
-    tickets = _split_tickets(dev, tiles)
-    return None if tickets is None else (clustered, tickets)
+    for size in CLUSTER_SIZES:
+        clustered = _cluster_splits(n_splits, tiles, key_tiles, slots, size) if n_splits >= size else None
+        if clustered is None or clustered > size and clustered // size * tile_bytes > size * MERGE_BLOCK_BYTES:
+            continue
+        if tiles * clustered // size <= max_active_clusters(
+                _MODULE, kernel, dev.index, (("TVA_CLUSTER", size),), (1, size, 1), 128 * warpgroups, smem):
+            tickets = _split_tickets(dev, tiles)
+            return None if tickets is None else (size, clustered, tickets)
+    return None
 
 
 def _split_tickets(dev: torch.device, n: int) -> torch.Tensor | None:
@@ -218,15 +230,15 @@ def _split_tickets(dev: torch.device, n: int) -> torch.Tensor | None:
     return tickets if n <= MAX_TICKETS else None
 
 
-def _cluster_splits(n_splits: int, tiles: int, key_tiles: int, slots: int) -> int | None:
-    """``n_splits`` (at least ``CLUSTER_SPLITS``) as whole clusters: the multiple of ``CLUSTER_SPLITS`` below it if
-    its splits take as many key tiles each, else the one above it if ``tiles`` x that still fill the GPU at most once
-    (``slots``), else None (one query after 4096 keys, 33 splits of 2 key tiles: 40, not 32 of 3)."""
+def _cluster_splits(n_splits: int, tiles: int, key_tiles: int, slots: int, size: int) -> int | None:
+    """``n_splits`` (at least ``size``) as whole clusters of ``size``: the multiple of ``size`` below it if its
+    splits take as many key tiles each, else the one above it if ``tiles`` x that still fill the GPU at most once
+    (``slots``), else None (one query after 4096 keys, 33 splits of 2 key tiles, clusters of 8: 40, not 32 of 3)."""
     per = -(-key_tiles // n_splits)
-    down = n_splits - n_splits % CLUSTER_SPLITS
+    down = n_splits - n_splits % size
     if -(-key_tiles // down) == per:
         return down
-    up = down + CLUSTER_SPLITS
+    up = down + size
     return up if tiles * up <= slots else None
 
 
@@ -311,16 +323,17 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
 
     group = hq // kv_heads
     tiles = _query_tiles(T, B, group)
-    n_splits, smem, tickets = 1, 0, None
+    n_splits, smem, cluster, tickets = 1, 0, 1, None
     if mma is not None and tiles > 0:
         slots, key_tiles = sm_count(dev.index) * mma[2], -(-max_pages * page_size // _TILE)
         smem = _mma_smem_bytes(dk, dv, v_off == 0, mma[1])
         n_splits = _grid_splits(T, B, longest, group, kv_heads, key_tiles, slots, mma[3])
+        tile_rows = min(_TILE, (longest or T - B + 1) * group)  # the most rows one tile has
         merge = None if mma_sync else _merge_in_kernel(dev, mma[0], mma[1], smem, tiles * kv_heads, n_splits,
-                                                       key_tiles, slots)
+                                                       key_tiles, slots, tile_rows * dv * 2)
         if merge is not None:
-            n_splits, tickets = merge
-    partials = n_splits if tickets is None else n_splits // CLUSTER_SPLITS  # cluster c's partial at split c
+            cluster, n_splits, tickets = merge
+    partials = n_splits // cluster  # with clusters, cluster c's partial at split c
     out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, partials, dev, out)
     if T == 0 or B == 0:
         return out
@@ -338,7 +351,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     kernel, warpgroups, _, _ = mma
     defines = (("ATTN_MMA_SYNC", 1),) if mma_sync else ()
     if tickets is not None:
-        defines += (("TVA_CLUSTER", CLUSTER_SPLITS),)
+        defines += (("TVA_CLUSTER", cluster),)
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
            inputs + (out, ws_o, ws_ml, 0 if tickets is None else tickets) + shape_args + geo_args
            + (i32(n_splits), i32(early_prefix)),
