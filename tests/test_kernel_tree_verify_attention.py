@@ -392,7 +392,8 @@ def test_repeated_calls_and_graph_replays_agree(name):
     ([1] * 8, [4096, 4000, 3000, 2048, 1024, 64, 1, 0], (8, 4, 2), None),  # 8 tiles x 16 splits: 16 of 8, 32 of 4
     # or 64 of 2, the largest resident (on an H100, of 2)
 ], ids=["decode", "two-sequences", "one-cluster-idle-splits", "two-clusters-idle-splits", "decode-by-4",
-        "two-sequences-by-4", "idle-cluster-by-4", "decode-by-2", "idle-clusters-by-2", "tree", "decode-32k", "eight-sequences"])
+        "two-sequences-by-4", "idle-cluster-by-4", "decode-by-2", "idle-clusters-by-2", "tree", "decode-32k",
+        "eight-sequences"])
 def test_splits_merged_in_the_kernel(q_lens, prefixes, sizes, merged, monkeypatch):
     """On sm_90 the MLA kernel's key splits merge inside it (a cluster's splits through distributed shared memory,
     several clusters' by the last ticket), with no tva_combine launch, in clusters of the largest of ``sizes`` whose
