@@ -52,8 +52,9 @@ def test_reference_equals_unfused_code(dtype):
 
     ours = torch.zeros(rows, L + R, dtype=dtype)
     q_out = torch.empty(T, H, R, dtype=dtype)
-    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q_out, ours, slots)
-    assert torch.equal(ours, cache) and torch.equal(q_out, q_pe)
+    own = torch.empty(T, L + R, dtype=dtype)
+    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q_out, ours, slots, rows_out=own)
+    assert torch.equal(ours, cache) and torch.equal(q_out, q_pe) and torch.equal(own, cache[slots])
     mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], ours, slots)  # in place
     assert torch.equal(q[..., 128:], q_pe)
 
@@ -67,6 +68,9 @@ def test_shape_errors_are_clear():
         mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache[:, :39], slots)
     with pytest.raises(ValueError, match="cos"):
         mla_rope_cache(kv_a, weight, 1e-6, cos[:2], sin, q[..., 128:], q[..., 128:], cache, slots)
+    with pytest.raises(ValueError, match="rows_out"):
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots,
+                       rows_out=torch.empty(3, 39))
     w_uk = torch.zeros(2, 128, 32)
     q_latent = torch.zeros(3, 2, 32)
     with pytest.raises(ValueError, match="together"):
@@ -89,19 +93,22 @@ CASES = [  # T, H, L, R, dtype
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,L,R,dtype", CASES)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_cuda_matches_reference(T, H, L, R, dtype, in_place):
+@pytest.mark.parametrize("own_rows", [False, True])
+def test_cuda_matches_reference(T, H, L, R, dtype, in_place, own_rows):
     """Against the reference in fp32 on the same inputs: the kernel rounds each output once, while torch in 16 bits
-    rounds x1 * cos and x2 * sin before subtracting them (off by several ulps where they nearly cancel)."""
+    rounds x1 * cos and x2 * sin before subtracting them (off by several ulps where they nearly cancel). With
+    ``rows_out`` the rows are written there too, the same values."""
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     for seed in range(2):  # fresh inputs each round
         _, cos, sin, kv_a, weight, q, slots = inputs(T, H, L, R, 4 * T + 5, dtype, "cuda", seed)
         cache = torch.full((4 * T + 5, L + R), float("nan"), dtype=dtype, device="cuda")
-        ref_cache, ref_q = cache.float(), q.float()
+        ref_cache, ref_q = cache.float().clone(), q.float().clone()  # copies in fp32 too, where .float() is a no-op
         q_pe = q[..., 128:]
         poison_allocator()
         q_out = q_pe if in_place else torch.empty(T, H, R, dtype=dtype, device="cuda")
         q_nope = q[..., :128].clone()
-        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q_pe, q_out, cache, slots)
+        own = torch.full((T, L + R), float("nan"), dtype=dtype, device="cuda") if own_rows else None
+        mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q_pe, q_out, cache, slots, rows_out=own)
         mla_rope_cache_reference(kv_a.float(), weight.float(), 1e-6, cos.float(), sin.float(), ref_q[..., 128:],
                                  ref_q[..., 128:], ref_cache, slots)
         written = torch.zeros(cache.shape[0], dtype=torch.bool, device="cuda")
@@ -110,6 +117,7 @@ def test_cuda_matches_reference(T, H, L, R, dtype, in_place):
         torch.testing.assert_close(cache[slots].float(), ref_cache[slots], **tol)
         torch.testing.assert_close(q_out.float(), ref_q[..., 128:], **tol)
         assert torch.equal(q[..., :128], q_nope)  # the nope part untouched
+        assert own is None or torch.equal(own, cache[slots])
 
 
 @pytest.mark.gpu
@@ -117,9 +125,11 @@ def test_cuda_skips_slots_outside_the_cache():
     _, cos, sin, kv_a, weight, q, slots = inputs(4, 2, 512, 64, 8, torch.bfloat16, "cuda")
     cache = torch.zeros(8, 576, dtype=torch.bfloat16, device="cuda")
     slots = torch.tensor([0, -1, 8, 3], device="cuda")
-    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots)
+    own = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
+    mla_rope_cache(kv_a, weight, 1e-6, cos, sin, q[..., 128:], q[..., 128:], cache, slots, rows_out=own)
     assert cache[0].abs().sum() > 0 and cache[3].abs().sum() > 0
     assert torch.equal(cache[[1, 2, 4, 5, 6, 7]], torch.zeros(6, 576, dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(own[[0, 3]], cache[[0, 3]]) and (own[[1, 2]].abs().sum(-1) > 0).all()  # every token's row
 
 
 def absorb_inputs(T, H, nope, L, dtype, seed):

@@ -40,13 +40,16 @@ def absorb_queries_reference(q_nope: torch.Tensor, w_uk: torch.Tensor, q_latent:
 
 
 def mla_rope_cache_reference(kv_a, weight, eps, cos, sin, q_pe, q_out, cache_rows, slot_mapping, q_nope=None,
-                             w_uk=None, q_latent=None) -> None:
+                             w_uk=None, q_latent=None, rows_out=None) -> None:
     """The unfused torch form of :func:`mla_rope_cache` (same arguments)."""
     latent, k_pe = kv_a.split([weight.shape[0], kv_a.shape[-1] - weight.shape[0]], dim=-1)
     latent = rmsnorm_reference(latent, weight, eps)
     q_out.copy_(rope_reference(q_pe, cos, sin, interleaved=True))
     k_pe = rope_reference(k_pe.unsqueeze(1), cos, sin, interleaved=True).squeeze(1)
-    cache_rows[slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache_rows.dtype)
+    rows = torch.cat([latent, k_pe], dim=-1).to(cache_rows.dtype)  # [T, L + R]
+    cache_rows[slot_mapping] = rows
+    if rows_out is not None:
+        rows_out.copy_(rows)
     if w_uk is not None:
         absorb_queries_reference(q_nope, w_uk, q_latent)
 
@@ -54,15 +57,17 @@ def mla_rope_cache_reference(kv_a, weight, eps, cos, sin, q_pe, q_out, cache_row
 def mla_rope_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    q_pe: torch.Tensor, q_out: torch.Tensor, cache_rows: torch.Tensor, slot_mapping: torch.Tensor,
                    q_nope: torch.Tensor | None = None, w_uk: torch.Tensor | None = None,
-                   q_latent: torch.Tensor | None = None) -> None:
+                   q_latent: torch.Tensor | None = None, rows_out: torch.Tensor | None = None) -> None:
     """Write the normalised latent and roped key of each token into its cache row; rope the queries; with
-    ``w_uk``, write the absorbed queries too.
+    ``w_uk``, write the absorbed queries too; with ``rows_out``, each token's row there as well.
 
     kv_a ``[T, L + R]`` (unit stride along the row), weight ``[L]`` (kv_a_layernorm), cos / sin ``[T, R/2]``,
     q_pe / q_out ``[T, H, R]`` (unit stride along R), cache_rows ``[rows, L + R]`` (one layer's pages, flattened),
     slot_mapping ``[T]`` int64. On CUDA a slot outside ``[0, rows)`` writes nothing (torch would wrap a negative one).
     q_nope ``[T, H, nope]``, w_uk ``[H, nope, L]`` (views of q_b_proj's output and kv_b_proj's weight), q_latent
-    ``[T, H, L]`` (the attention's query buffer): all three or none.
+    ``[T, H, L]`` (the attention's query buffer): all three or none. rows_out ``[T, L + R]`` (contiguous, the cache's
+    dtype, kv_a's device): the rows again, in token order, whatever their slots (a prompt's keys for the plain prefill,
+    with no gather from the cache).
     """
     if kv_a.dim() != 2 or weight.dim() != 1:
         raise ValueError(f"kv_a must be [T, L + R] and weight [L], got {tuple(kv_a.shape)} and {tuple(weight.shape)}")
@@ -81,8 +86,13 @@ def mla_rope_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     absorb = (q_nope, w_uk, q_latent)
     if any(t is not None for t in absorb):
         _check_absorb(q_nope, w_uk, q_latent, T, q_pe.shape[1], L)
+    if rows_out is not None and (rows_out.shape != (T, D) or not rows_out.is_contiguous()
+                                 or rows_out.dtype != cache_rows.dtype or rows_out.device != kv_a.device):
+        raise ValueError(f"rows_out must be a contiguous {cache_rows.dtype} [T={T}, L + R={D}] on {kv_a.device}, got "
+                         f"{rows_out.dtype} {tuple(rows_out.shape)} on {rows_out.device}")
     if not kv_a.is_cuda:
-        return mla_rope_cache_reference(kv_a, weight, eps, cos, sin, q_pe, q_out, cache_rows, slot_mapping, *absorb)
+        return mla_rope_cache_reference(kv_a, weight, eps, cos, sin, q_pe, q_out, cache_rows, slot_mapping, *absorb,
+                                        rows_out)
     _check_cuda(kv_a, weight, cos, sin, q_pe, q_out, cache_rows, slot_mapping, R)
     fold = w_uk is not None and _absorb_fits(q_nope, w_uk, q_latent, kv_a)
     if w_uk is not None and not fold:
@@ -99,7 +109,8 @@ def mla_rope_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     launch("mla_rope_cache", "mla_rope_cache", (T + absorb_blocks,), (ROPE_THREADS,),
            (kv_a, i64(kv_a.stride(0)), weight, cos, sin, q_pe, i64(q_pe.stride(0)), i64(q_pe.stride(1)), q_out,
             i64(q_out.stride(0)), i64(q_out.stride(1)), cache_rows, i64(cache_rows.shape[0]), slot_mapping,
-            np.int32(H), np.int32(L), np.int32(R), np.float32(eps), *absorb_args, np.int32(T)),
+            0 if rows_out is None else rows_out, np.int32(H), np.int32(L), np.int32(R), np.float32(eps), *absorb_args,
+            np.int32(T)),
            device=kv_a.device,
            defines=(("DTYPE", DTYPES[kv_a.dtype]),) + ((("NOPE", q_nope.shape[2]),) if fold else ()))
 

@@ -103,10 +103,12 @@ class MLAttention(nn.Module):
         ctx = batch.context  # prompt chunks after cached tokens
         if batch.is_prefill or (ctx is not None and min(batch.q_lens) >= PLAIN_CHUNK_TOKENS):
             q_pe = q[..., nope:]
+            # The keys' rows as cached: the prompts' own, written beside the cache by the launch, or after a cached
+            # prefix gathered back from the cache (the prefix's rows, then the chunk's)
+            own = torch.empty(T, c.kv_cache_dim, dtype=rows.dtype, device=rows.device) if ctx is None else None
             mla_rope_cache(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, q_pe, q_pe, rows,
-                           batch.slot_mapping)
-            keys = batch.slot_mapping if ctx is None else ctx.slots  # the prompts' rows, after their cached ones
-            latent, k_pe = rows[keys].split([L, c.qk_rope_head_dim], dim=-1)  # as cached
+                           batch.slot_mapping, rows_out=own)  # own: [T, kv_lora + rope]
+            latent, k_pe = (own if ctx is None else rows[ctx.slots]).split([L, c.qk_rope_head_dim], dim=-1)
             out = self._plain(q, latent, k_pe, batch)
         else:
             q_attn = torch.empty(T, self.heads, c.kv_cache_dim, dtype=q.dtype, device=q.device)  # [T, Hl, L + rope]

@@ -1,6 +1,7 @@
 // MLA latent-cache write fused with RMSNorm and rotary; see kernels/mla_rope_cache.py.
 // Per token t (one block): cache row slots[t] = [w * to_t(c * rsqrt(mean(c^2) + eps)), rope(k_pe)] where
-// kv_a[t] = [c (L), k_pe (R)], and q_out[t, h] = rope(q_pe[t, h]) for every head h (q_out may alias q_pe).
+// kv_a[t] = [c (L), k_pe (R)], and q_out[t, h] = rope(q_pe[t, h]) for every head h (q_out may alias q_pe); with
+// rows_out, the same row also to rows_out[t] (a prompt's keys for the plain prefill, without a gather from the cache).
 // rope (DeepSeek, interleaved pairs, de-interleaved output as HF writes it): for pair p < R/2,
 // y[p] = x[2p] cos[t, p] - x[2p+1] sin[t, p], y[R/2 + p] = x[2p+1] cos[t, p] + x[2p] sin[t, p].
 // A slot outside [0, n_rows) writes no cache row.
@@ -75,6 +76,7 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
                                           elem_t* q_out, long long o_tok, long long o_head,        // [T, H, R]
                                           elem_t* __restrict__ cache, long long n_rows,           // [n_rows, L + R]
                                           const long long* __restrict__ slots,                    // [T]
+                                          elem_t* __restrict__ rows_out,  // [T, L + R] or null
                                           int H, int L, int R, float eps,
                                           const elem_t* __restrict__ q_nope, long long n_tok,  // [T, H, NOPE]
                                           long long n_head,
@@ -89,6 +91,7 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
   const long long t = blockIdx.x;
   const long long slot = slots[t];
   elem_t* row = slot >= 0 && slot < n_rows ? cache + slot * (L + R) : nullptr;
+  elem_t* const own = rows_out != nullptr ? rows_out + t * (L + R) : nullptr;
   const elem_t* src = kv_a + t * kv_stride;
   constexpr int SPAN = ROPE_THREADS * ROPE_BATCH;  // latent values a pass's loop turn covers
   // The thread's u-th latent index of the loop turn at j0, and latent value j of p (0 past L).
@@ -104,7 +107,7 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
     for (int u = 0; u < ROPE_BATCH; ++u) ss += v[u] * v[u];
   }
   const float r = rsqrtf(block_sum(ss) / L + eps);
-  if (row != nullptr)
+  if (row != nullptr || own != nullptr)
     for (int j0 = 0; j0 < L; j0 += SPAN) {
       float v[ROPE_BATCH], w[ROPE_BATCH];
 #pragma unroll
@@ -113,8 +116,12 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
         w[u] = load(weight, index(j0, u));
       }
 #pragma unroll
-      for (int u = 0; u < ROPE_BATCH; ++u)
-        if (index(j0, u) < L) row[index(j0, u)] = to_t(w[u] * to_f(to_t(v[u] * r)));
+      for (int u = 0; u < ROPE_BATCH; ++u) {
+        if (index(j0, u) >= L) continue;
+        const elem_t y = to_t(w[u] * to_f(to_t(v[u] * r)));
+        if (row != nullptr) row[index(j0, u)] = y;
+        if (own != nullptr) own[index(j0, u)] = y;
+      }
     }
 
   // Rope: warp w's lane p < R/2 rotates pair p of rows h = w - 1, w - 1 + warps, .. (h = -1: k_pe into the cache row;
@@ -137,10 +144,16 @@ extern "C" __global__ void mla_rope_cache(const elem_t* __restrict__ kv_a, long 
 #pragma unroll
     for (int u = 0; u < ROPE_BATCH; ++u) {
       const int h = h0 + warps * u;
+      if (h >= H) continue;
+      const elem_t y1 = to_t(x1[u] * c - x2[u] * s), y2 = to_t(x2[u] * c + x1[u] * s);
       elem_t* dst = h >= 0 ? q_out + t * o_tok + h * o_head : row != nullptr ? row + L : nullptr;
-      if (h < H && dst != nullptr) {
-        dst[lane] = to_t(x1[u] * c - x2[u] * s);
-        dst[half + lane] = to_t(x2[u] * c + x1[u] * s);
+      if (dst != nullptr) {
+        dst[lane] = y1;
+        dst[half + lane] = y2;
+      }
+      if (h < 0 && own != nullptr) {  // k_pe, into the token's own row as well
+        own[L + lane] = y1;
+        own[L + half + lane] = y2;
       }
     }
   }
