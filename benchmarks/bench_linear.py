@@ -1,4 +1,5 @@
-"""skinny_linear on K2 TP8-shard projections at 1-8 tokens against cuBLAS (F.linear; for the router's fp32 logits
+"""skinny_linear on K2 TP8-shard projections at 1-32 tokens (1: the FMA kernel; 8, 17, 32: on an sm_90 GPU the
+tensor-core kernel) against cuBLAS (F.linear; for the router's fp32 logits
 torch.mm with an fp32 output), and skinny_bmm on MLA's W_UV product per head against torch.bmm, all graph-replayed.
 
 Floor: the weight's bytes at the measured copy rate (x and y are a few KB). Several copies of each weight rotate
@@ -20,7 +21,7 @@ from kdray.kernels.skinny_linear import (skinny_bmm, skinny_bmm_reference, skinn
 SHAPES = [("a_proj (q_a + kv_a)", 2112, 7168, None), ("q_b", 1536, 1536, None),
           ("o_proj", 7168, 1024, None), ("shared gate_up", 512, 7168, None), ("shared down", 7168, 256, None),
           ("router (fp32 out)", 384, 7168, torch.float32)]
-TOKENS = (1, 8)
+TOKENS = (1, 8, 17, 32)
 COPIES = 8  # weights rotated per replay: 8 x >= 3.5 MB leaves the L2 behind
 
 

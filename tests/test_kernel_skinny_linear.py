@@ -1,11 +1,16 @@
-"""skinny_linear and skinny_bmm: which inputs take the kernel (CPU), the kernel against an fp32 reference (GPU), with
-16-bit and fp32 outputs, added into ``out`` or not, K split over clusters of 1 to 8 blocks, in and out of CUDA
+"""skinny_linear and skinny_bmm: which inputs take which kernel (CPU), the kernels against an fp32 reference (GPU),
+with 16-bit and fp32 outputs, added into ``out`` or not, K split over clusters of 1 to 8 blocks, in and out of CUDA
 graphs."""
 import pytest
 import torch
 from gpu_checks import poison_allocator
 
-from kdray.kernels.skinny_linear import MAX_ROWS, MAX_SPLIT, bmm_fits, fits, k_splits, skinny_bmm, skinny_linear
+import kdray.kernels.skinny_linear as SL
+from kdray.kernels.skinny_linear import (MAX_ROWS, MAX_SPLIT, WGMMA_MAX_ROWS, bmm_fits, fits, k_splits, skinny_bmm,
+                                         skinny_linear, wgmma_fits, wgmma_smem)
+
+needs_sm90a = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="the tensor-core kernel needs an sm_90 GPU")
 
 
 def test_cpu_and_unsupported_inputs_run_f_linear():
@@ -65,6 +70,31 @@ def test_a_k_split_needs_clusters_else_cublas(monkeypatch):
         assert SL.kernel_splits(7168, 1024, dev) == 1  # o_proj: 448 row groups
 
 
+def test_the_tensor_core_split_fills_two_blocks_an_sm(monkeypatch):
+    """skinny_linear_wgmma's K split on 132 SMs for K2's TP8 shard projections: the largest divisor of K / 64 up to
+    a cluster of 8 that keeps the grid of 64-row blocks within two blocks an SM; and two blocks fit an SM's shared
+    memory at its most rows."""
+    monkeypatch.setattr(SL, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    splits = {(2112, 7168): 8, (1536, 1536): 8, (7168, 1024): 2, (384, 7168): 8, (512, 7168): 8, (7168, 256): 2,
+              (2560, 7168): 4}  # a_proj, q_b, o_proj, router, shared gate/up, shared down, the vocabulary's shard
+    assert {nk: SL.wgmma_splits(*nk, dev) for nk in splits} == splits
+    assert 2 * wgmma_smem(-(-WGMMA_MAX_ROWS // 8) * 8) <= 227 * 1024
+
+
+def test_tensor_cores_take_only_cuda_inputs():
+    assert not wgmma_fits(torch.randn(8, 256).bfloat16(), torch.randn(64, 256).bfloat16())
+
+
+@pytest.mark.gpu
+@needs_sm90a
+def test_small_projections_stay_on_cublas_at_every_row_count():
+    """K < 256 (k2-tiny's): cuBLAS at 3-32 rows too, so that a bf16 pass rounds as a verify pass of many rows."""
+    w = torch.randn(88, 64, device="cuda").bfloat16()
+    assert not wgmma_fits(torch.randn(4, 64, device="cuda").bfloat16(), w)
+    assert wgmma_fits(torch.randn(4, 256, device="cuda").bfloat16(), torch.randn(88, 256, device="cuda").bfloat16())
+
+
 SHAPES = [  # (N, K): K2 TP8 shard projections, then odd row counts
     (1536, 7168), (576, 7168), (1536, 1536), (7168, 1024), (512, 7168), (7168, 256), (33, 512), (1, 256), (100, 768),
 ]
@@ -100,19 +130,21 @@ def test_cuda_out_is_written_as_a_new_tensor_would_be(M):
 @pytest.mark.parametrize("N,K", [(7168, 1024), (7168, 256), (576, 7168), (100, 768)])  # unsplit, split, odd rows
 def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
     """A decoder layer's o_proj and down projection add into the residual stream: up to MAX_ROWS rows on the kernel
-    (its K split or not) out + x w^T summed in fp32 and rounded once; past it on cuBLAS (beta = 1), whose split-K
-    GEMMs at a few rows may round a partial sum first (within an ulp of the stream's values where the sum cancels)."""
+    (its K split or not), and on an sm_90 GPU up to WGMMA_MAX_ROWS on the tensor-core kernel, out + x w^T summed in
+    fp32 and rounded once; past them on cuBLAS (beta = 1), whose split-K GEMMs at a few rows may round a partial sum
+    first (within an ulp of the stream's values where the sum cancels)."""
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    for M in (1, MAX_ROWS, MAX_ROWS + 1):
+    for M in (1, MAX_ROWS, MAX_ROWS + 1, WGMMA_MAX_ROWS, WGMMA_MAX_ROWS + 1):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         stream = (4 * torch.randn(M, N, device="cuda", generator=g)).bfloat16()
+        kernel = fits(x, w) or wgmma_fits(x, w)
         poison_allocator()
         out = stream.clone()
         assert skinny_linear(x, w, out=out, accumulate=True) is out
         want = (x.float() @ w.float().t() + stream.float()).bfloat16()
         torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -5)
-        if M <= MAX_ROWS:  # one rounding: nearer the exact sums, over the rows, than rounding the product first
+        if kernel:  # one rounding: nearer the exact sums, over the rows, than rounding the product first
             twice = (skinny_linear(x, w).float() + stream.float()).bfloat16()
             exact = x.double() @ w.double().t() + stream.double()
             assert (out.double() - exact).abs().sum() < (twice.double() - exact).abs().sum()
@@ -123,17 +155,18 @@ def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
 def test_cuda_fp32_output_matches_fp32_reference(N, K):
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    for M in range(1, MAX_ROWS + 2):  # the kernel, then cuBLAS
+    for M in (*range(1, MAX_ROWS + 2), WGMMA_MAX_ROWS, WGMMA_MAX_ROWS + 1):  # the kernels, then cuBLAS
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         assert fits(x, w) == (M <= MAX_ROWS)
         poison_allocator()
         out = skinny_linear(x, w, out_dtype=torch.float32)
         assert out.dtype == torch.float32
-        torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+        tol = 1e-4 if wgmma_fits(x, w) else 1e-5  # the tensor cores' fp32 sums, in their own order
+        torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,out_dtype", [(1, None), (1, torch.float32)])
+@pytest.mark.parametrize("M,out_dtype", [(1, None), (1, torch.float32), (17, None), (17, torch.float32)])
 def test_replayed_from_a_cuda_graph_equals_eager(M, out_dtype):
     w = (torch.randn(576, 7168, device="cuda") / 85).to(torch.bfloat16)  # K split over a cluster of 7 blocks
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
@@ -150,6 +183,42 @@ def test_replayed_from_a_cuda_graph_equals_eager(M, out_dtype):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)  # the same split and order of sums: bitwise
+
+
+WGMMA_SHAPES = [  # (N, K): K2 TP8 shard projections (K split over 8, 2 and 1 blocks), odd row counts and K
+    (2112, 7168), (1536, 1536), (7168, 1024), (384, 7168), (7168, 256), (100, 768), (4, 256), (36, 4096),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90a
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", WGMMA_SHAPES)
+def test_tensor_core_kernel_matches_fp32_reference(N, K, dtype):
+    g = torch.Generator("cuda").manual_seed(N * 5 + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+    for M in (MAX_ROWS + 1, 8, 17, WGMMA_MAX_ROWS):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        assert wgmma_fits(x, w)
+        poison_allocator()
+        y = skinny_linear(x, w)
+        torch.testing.assert_close(y, reference(x, w), rtol=2 ** -7, atol=2e-3)
+        assert torch.equal(skinny_linear(x, w), y)  # the same split and order of sums on every call
+
+
+@pytest.mark.gpu
+@needs_sm90a
+def test_rows_pick_the_kernel(monkeypatch):
+    """One or two rows stream through FMAs, three to WGMMA_MAX_ROWS through the tensor cores, more on cuBLAS."""
+    launched = []
+    real = SL.launch
+    monkeypatch.setattr(SL, "launch", lambda name, *a, **k: (launched.append(name), real(name, *a, **k))[1])
+    w = torch.randn(512, 7168, device="cuda").bfloat16()
+    for M, kernel in ((MAX_ROWS, "skinny_linear"), (MAX_ROWS + 1, "skinny_linear_wgmma"),
+                      (WGMMA_MAX_ROWS, "skinny_linear_wgmma"), (WGMMA_MAX_ROWS + 1, None)):
+        launched.clear()
+        skinny_linear(torch.randn(M, 7168, device="cuda").bfloat16(), w)
+        assert launched == ([kernel] if kernel else []), M
 
 
 def test_bmm_off_the_kernel_is_torch_bmm():

@@ -1,27 +1,42 @@
-"""``y = x W^T`` for one or two tokens (decode): ``skinny_linear``; and per group, ``skinny_bmm``.
+"""``y = x W^T`` for a few tokens (decode, tree verify): ``skinny_linear``; and per group, ``skinny_bmm``.
 
-At a token or two a projection is a weight stream: cuBLAS picks split-K GEMMs plus a reduce kernel for K2's shard
-projections (issue 12). ``cuda/skinny_linear.cu`` streams the weights at 16 bytes per lane, two rows per warp,
-with K split across the blocks of a thread-block cluster so that even 576 output rows fill the GPU, and the
-cluster's first block adding the partial sums from the others' shared memory (one launch, no host sync, no global
-scratch, capturable in a CUDA graph). fp32 accumulation, one rounding, as cuBLAS's bf16 GEMM does. Clusters need
-sm_90; on earlier GPUs a projection whose K would be split runs on cuBLAS (``kernel_splits``).
+At a few tokens a projection is a weight stream: cuBLAS picks split-K GEMMs plus a reduce kernel for K2's shard
+projections (issue 12). Two kernels stream the weights instead, with K split across the blocks of a thread-block
+cluster so that even 384 output rows fill the GPU, and the cluster's blocks adding the partial sums from each other's
+shared memory (one launch, no host sync, no global scratch, capturable in a CUDA graph). fp32 accumulation, one
+rounding, as cuBLAS's bf16 GEMM does. Clusters need sm_90; on earlier GPUs a projection whose K would be split runs
+on cuBLAS (``kernel_splits``).
 
-The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums); ``accumulate`` adds the
-product into ``out`` instead (a decoder layer's residual stream: see ``model/layers.py``). The kernel compiles for up
-to 8 rows of ``x`` (``M_ROWS``), but beats cuBLAS at 1-2 rows only: alone on the H200 (``benchmarks/bench_linear.py``
-with more rows allowed, 2026-12-03) 1.0-1.6x at 2 rows, 0.6-1.1x at 8; in K2's graphed TP8-shard pass on an H100
-(2026-12-06, alternated) 2 tokens 6.50 -> 6.17 ms, 3 tokens -0.9% in one call and +0.2% in another, 4 tokens 7.44
--> 7.75, and 8 tokens 9.7 -> 11.0 on the H200 (2026-12-03); so ``MAX_ROWS`` is 2. CUDA bf16 / fp16 inputs with at
-most ``MAX_ROWS`` rows, ``K % 256 == 0`` and 16-byte aligned rows take the kernel; everything else (and the
-reference) is ``F.linear``, or cuBLAS's fp32-output GEMM.
+* One or two rows (``MAX_ROWS``): ``cuda/skinny_linear.cu`` streams the weights through FMAs at 16 bytes per lane,
+  two rows per warp. It compiles for up to 8 rows of ``x`` (``M_ROWS``), but beats cuBLAS at 1-2 rows only: alone on
+  the H200 (``benchmarks/bench_linear.py`` with more rows allowed, 2026-12-03) 1.0-1.6x at 2 rows, 0.6-1.1x at 8; in
+  K2's graphed TP8-shard pass on an H100 (2026-12-06, alternated) 2 tokens 6.50 -> 6.17 ms, 3 tokens -0.9% in one
+  call and +0.2% in another, 4 tokens 7.44 -> 7.75, and 8 tokens 9.7 -> 11.0 on the H200 (2026-12-03).
+* Three to ``WGMMA_MAX_ROWS`` (32) rows on an sm_90 GPU: ``cuda/skinny_linear_wgmma.cu`` streams them through the
+  tensor cores (wgmma, the weights as A, 64 rows a block; x's rows as B), its first weight stages loaded before the
+  dependency wait (so in a graph the weights must not be written by the kernel just ahead: they are a model's). In
+  K2's graphed shard pass on an H100 (2026-12-07, alternated with cuBLAS): 8 tokens 9.945 -> 9.543 ms (-4.0%), 17
+  tokens 13.01 -> 12.42 (-4.6%), 4 tokens -0.8%, and three split-K reduce kernels a layer fewer; at 65 tokens the
+  pass was 2.7-4.3% slower (the projections that do not split K, o_proj and the shared experts' down GEMM, lose to
+  cuBLAS there: 1.1-1.4x alone), hence 32.
 
-``skinny_bmm`` is the same kernel over groups: output rows of group g read x's row g and weight group g, as
+CUDA bf16 / fp16 inputs in those row ranges, with ``K % 256 == 0`` (and ``N % 4`` for the tensor cores) and
+16-byte aligned rows take a kernel; everything else (and the reference) is ``F.linear``, or cuBLAS's fp32-output
+GEMM. The output is x's dtype, or fp32 (the MoE router's logits: 16-bit operands, fp32 sums); ``accumulate`` adds
+the product into ``out`` instead (a decoder layer's residual stream: see ``model/layers.py``). Small projections
+(K < 256, k2-tiny's) stay on cuBLAS at every row count, so that its bf16 passes of a few rows and a verify's hundreds
+round alike, which the GPU engine's bf16 DDTree-equals-AR tests rely on: with k2-tiny's K = 64 projections on the
+tensor cores at 3-32 rows two of them failed, though neither kernel is nearer fp32 (H100, 2026-12-07: k2-tiny's bf16
+AR leaves its fp32 tokens after 2-14 tokens on cuBLAS, 2-25 on the tensor cores, its logprobs 0.01-0.07 from fp32's
+either way).
+
+``skinny_bmm`` is the first kernel over groups: output rows of group g read x's row g and weight group g, as
 ``torch.bmm`` of ``[G, T, K]`` by ``[G, K, R]``: MLA's W_UV product per head at a token or two (one: 2.2 us on K2's
 shard against torch.bmm's 4.8, a cuBLAS kernel, which the next one cannot start behind).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -31,6 +46,10 @@ import torch.nn.functional as F
 from kdray.kernels.cuda_module import launch, sm90_or_later, sm_count
 
 MAX_ROWS = 2  # rows of x that take the kernel (see above)
+WGMMA_MAX_ROWS = 32  # rows of x past MAX_ROWS that take skinny_linear_wgmma.cu on an sm_90 GPU (see above)
+WGMMA_STAGES = 6  # its cp.async ring: stages of 64 k
+WGMMA_ROWS_PER_BLOCK = 64  # weight rows a block (one warpgroup's wgmma M)
+WGMMA_WAVES = 2  # blocks per SM its K split aims for
 ROWS_PER_BLOCK = 16  # WARPS * RPW in the .cu
 RPW = 2  # weight rows per warp in the .cu: a group of skinny_bmm holds whole warps
 THREADS = 256  # 32 * WARPS in the .cu
@@ -72,8 +91,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
                          f"(contiguous: {out.is_contiguous()}), with out_dtype None")
     if accumulate and out is None:
         raise ValueError("skinny_linear's accumulate adds into out: give out")
-    splits = kernel_splits(*w.shape, x.device) if fits(x, w) and (out is None or out.data_ptr() % 16 == 0) else 0
-    if not splits:
+    tensor_cores = wgmma_fits(x, w, out)
+    splits = kernel_splits(*w.shape, x.device) if not tensor_cores and fits(x, w) \
+        and (out is None or out.data_ptr() % 16 == 0) else 0
+    if not (tensor_cores or splits):
         if out is None:
             return skinny_linear_reference(x, w, out_dtype)
         if accumulate:
@@ -87,8 +108,50 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     fp32_out = out_dtype == torch.float32
     y = torch.empty(x2.shape[0], N, dtype=torch.float32 if fp32_out else x.dtype, device=x.device) \
         if out is None else out.view(-1, N)  # [M, N]
-    _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out, accumulate=accumulate)
+    if tensor_cores:
+        _launch_wgmma(x2, w, y, fp32_out, accumulate)
+    else:
+        _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out, accumulate=accumulate)
     return y.view(*x.shape[:-1], N) if out is None else out
+
+
+def wgmma_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether ``x [..., K] @ w [N, K]^T`` (into ``out``) takes the tensor-core kernel: MAX_ROWS + 1 to
+    WGMMA_MAX_ROWS rows of a 16-bit x on an sm_90 GPU, K a multiple of 256 (as for the FMA kernel), N of 4."""
+    N, K = w.shape
+    rows = x.numel() // K if K else 0
+    return (x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and MAX_ROWS < rows <= WGMMA_MAX_ROWS
+            and K % K_STEP == 0 and N % 4 == 0 and x.shape[-1] == K and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and (out is None or out.data_ptr() % 16 == 0) and _sm90a(x.device.index)
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+@functools.cache
+def _sm90a(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def wgmma_splits(N: int, K: int, device: torch.device) -> int:
+    """skinny_linear_wgmma's K split (blocks of a cluster): the largest divisor of K's 64-k steps, up to MAX_SPLIT,
+    that keeps the grid within ``WGMMA_WAVES`` blocks an SM."""
+    return k_splits(math.ceil(N / WGMMA_ROWS_PER_BLOCK), K // 64, sm_count(device.index), waves=WGMMA_WAVES)
+
+
+def wgmma_smem(nx: int, stages: int = WGMMA_STAGES) -> int:
+    """skinny_linear_wgmma's dynamic shared memory: the ring of stages (weights [64][64 k] and x [nx][64 k]),
+    1024-aligned."""
+    return 1024 + stages * (WGMMA_ROWS_PER_BLOCK * 128 + nx * 128)
+
+
+def _launch_wgmma(x, w, y, fp32_out: bool, accumulate: bool):
+    """skinny_linear_wgmma.cu over x ``[M, K]``, w ``[N, K]`` into y ``[M, N]``; ``accumulate``: y += the product."""
+    (M, K), N = x.shape, w.shape[0]
+    nx = -(-M // 8) * 8  # x's rows as wgmma's N: a multiple of 8
+    splits = wgmma_splits(N, K, x.device)
+    launch("skinny_linear_wgmma", "skinny_linear_wgmma", (math.ceil(N / WGMMA_ROWS_PER_BLOCK), splits), (128,),
+           (x, w, y, np.int32(M), np.int32(N), np.int32(K)), shared_mem=wgmma_smem(nx), device=x.device,
+           defines=(("DTYPE", DTYPES[x.dtype]), ("NX", nx), ("CLUSTER", splits), ("STAGES", WGMMA_STAGES))
+           + ((("OUT_F32", 1),) if fp32_out else ()) + ((("ACCUMULATE", 1),) if accumulate else ()))
 
 
 def skinny_bmm_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -136,8 +199,8 @@ def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int,
            + ((("OUT_F32", 1),) if fp32_out else ()) + ((("ACCUMULATE", 1),) if accumulate else ()))
 
 
-def k_splits(groups: int, steps: int, sm_count: int) -> int:
-    """The K split: the largest divisor of the K steps that keeps the grid within ``WAVES`` blocks per SM and a
+def k_splits(groups: int, steps: int, sm_count: int, waves: int = WAVES) -> int:
+    """The K split: the largest divisor of the K steps that keeps the grid within ``waves`` blocks per SM and a
     cluster within ``MAX_SPLIT`` blocks."""
-    cap = min(MAX_SPLIT, max(1, WAVES * sm_count // groups))
+    cap = min(MAX_SPLIT, max(1, waves * sm_count // groups))
     return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= cap)

@@ -1,5 +1,6 @@
 // Thread-block cluster helpers (sm_90 and later): the cluster barrier and reads and writes of another block's shared
-// memory (distributed shared memory), for skinny_linear.cu and tree_verify_attention.cu.
+// memory (distributed shared memory), for skinny_linear.cu, skinny_linear_wgmma.cu and
+// tree_verify_attention.cu.
 #pragma once
 
 // Every thread of the cluster waits here until all have arrived; shared-memory writes before it are visible after.

@@ -14,6 +14,7 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 #define WG_ACC_AT4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_ACC4 WG_ACC_AT4(0)
 #define WG_ACC8 WG_ACC_AT8(0)
 #define WG_ACC12 WG_ACC8, WG_ACC_AT4(8)
 #define WG_ACC16 WG_ACC8, WG_ACC_AT8(8)
@@ -33,7 +34,8 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
                   WG_ACC_AT8(104), WG_ACC_AT8(112), WG_ACC_AT8(120)
 
 // The asm operand list of those accumulators, "%0, %1, ..., %(n - 1)".
-#define WG_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define WG_D4 "%0, %1, %2, %3"
+#define WG_D8 WG_D4 ", %4, %5, %6, %7"
 #define WG_D12 WG_D8 ", %8, %9, %10, %11"
 #define WG_D16 WG_D12 ", %12, %13, %14, %15"
 #define WG_D20 WG_D16 ", %16, %17, %18, %19"
@@ -104,17 +106,35 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
-// d[NA] (+)= A[64x16] B[16xN], N = 2 NA = 64, 128 or 256, both K-major in 128B-swizzled shared memory; accumulate = 0
-// overwrites d. The asm operands: the NA accumulators, the two descriptors (DA, DB), accumulate (P).
+// d[NA] (+)= A[64x16] B[16xN], N = 2 NA = 8 to 128 in steps of 8, or 256, both K-major in 128B-swizzled shared
+// memory; accumulate = 0 overwrites d. Operands bf16, or fp16 where the including file defines WGMMA_AB "f16". The
+// asm operands: the NA accumulators, the two descriptors (DA, DB), accumulate (P).
+#ifndef WGMMA_AB
+#define WGMMA_AB "bf16"
+#endif
 #define WGMMA_SS(NA, N, DA, DB, P)                                                                         \
   __device__ __forceinline__ void wgmma_ss(float(&d)[NA], u64 da, u64 db, int accumulate) {               \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                         \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" WG_D##NA "}, %" #DA ", %" #DB \
-                 ", p, 1, 1, 0, 0;\n}\n"                                                                  \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." WGMMA_AB "." WGMMA_AB " {" WG_D##NA     \
+                 "}, %" #DA ", %" #DB ", p, 1, 1, 0, 0;\n}\n"                                              \
                  : WG_ACC##NA                                                                             \
                  : "l"(da), "l"(db), "r"(accumulate));                                                    \
   }
+WGMMA_SS(4, 8, 4, 5, 6)
+WGMMA_SS(8, 16, 8, 9, 10)
+WGMMA_SS(12, 24, 12, 13, 14)
+WGMMA_SS(16, 32, 16, 17, 18)
+WGMMA_SS(20, 40, 20, 21, 22)
+WGMMA_SS(24, 48, 24, 25, 26)
+WGMMA_SS(28, 56, 28, 29, 30)
 WGMMA_SS(32, 64, 32, 33, 34)
+WGMMA_SS(36, 72, 36, 37, 38)
+WGMMA_SS(40, 80, 40, 41, 42)
+WGMMA_SS(44, 88, 44, 45, 46)
+WGMMA_SS(48, 96, 48, 49, 50)
+WGMMA_SS(52, 104, 52, 53, 54)
+WGMMA_SS(56, 112, 56, 57, 58)
+WGMMA_SS(60, 120, 60, 61, 62)
 WGMMA_SS(64, 128, 64, 65, 66)
 WGMMA_SS(128, 256, 128, 129, 130)
 #undef WGMMA_SS
