@@ -1,19 +1,20 @@
-// y[m, n] = sum_k x[m, k] * w[n, k] for 3 to 128 rows of x on the tensor cores (sm_90a wgmma); see
+// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows of x (up to 128) on the tensor cores (sm_90a wgmma); see
 // kernels/skinny_linear.py. Where skinny_linear.cu streams a token or two's weights through FMAs, this kernel
 // streams them through wgmma with the weights as the A operand (64 weight rows a block) and x's rows as B (N = NX,
 // x's rows rounded up to a multiple of 8), so a few rows cost the tensor cores little and the weights cross HBM
 // once; cuBLAS at these shapes splits K into a GEMM plus a reduce kernel.
 //
 // Launch: grid (ceil(N / 64), S), cluster (1, S, 1) with S = CLUSTER <= 8, 128 threads (one warpgroup), dynamic
-// shared memory SMEM bytes; K % (64 S) == 0, N % 4 == 0, 1 <= M <= NX. Block (t, s) streams weight rows
-// [64 t, 64 t + 64) over K slice s in stages of 64 k through a ring of STAGES cp.async buffers (128B-swizzled, the
-// canonical K-major wgmma layout: 16-byte chunk c of row r at c ^ (r & 7)), each stage's weights [64][64 k] beside
-// x's rows [NX][64 k]; rows of x past M are never loaded (their accumulator columns are never stored), weight rows
-// past N read row N - 1 (never stored). The ring's first weight stages load before the dependency wait: w must not
-// be written by the kernels ahead (a model's weights). At the end every block puts its fp32 partial sums [NX][64] in its shared
-// memory; the cluster's blocks each add a share of the S partials in split order (distributed shared memory) and
-// write y: the same sums on every call. y is rounded once from fp32 (or left in fp32 with OUT_F32); with
-// ACCUMULATE, y's value joins the fp32 sum before that rounding (a GEMM's beta = 1).
+// shared memory 1024 + STAGES * STAGE bytes (skinny_linear.wgmma_smem); K % (64 S) == 0, N % 4 == 0, 1 <= M <= NX.
+// Block (t, s) streams weight rows [64 t, 64 t + 64) over K slice s in stages of 64 k through a ring of STAGES
+// cp.async buffers (128B-swizzled, the canonical K-major wgmma layout: 16-byte chunk c of row r at c ^ (r & 7)),
+// each stage's weights [64][64 k] beside x's rows [NX][64 k]; rows of x past M are never loaded (their accumulator
+// columns are never stored), weight rows past N read row N - 1 (never stored). The ring's first weight stages load
+// before the dependency wait: w must not be written by the kernels ahead (a model's weights). At the end every
+// block puts its fp32 partial sums [NX][64] in its shared memory; the cluster's blocks each add a share of the S
+// partials in split order (distributed shared memory) and write y: the same sums on every call. y is rounded once
+// from fp32 (or left in fp32 with OUT_F32); with ACCUMULATE, y's value joins the fp32 sum before that rounding (a
+// GEMM's beta = 1).
 #include "cluster.cuh"
 #include "dtype.cuh"
 #include "griddep.cuh"
