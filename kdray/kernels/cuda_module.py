@@ -155,6 +155,12 @@ def _driver():
 
 
 @functools.cache
+def sm90a(device_index: int) -> bool:
+    """Whether kernels build for sm_90a on the device (Hopper's wgmma and TMA)."""
+    return _arch(device_index) == "sm_90a"
+
+
+@functools.cache
 def sm90_or_later(device_index: int) -> bool:
     """Whether the device has Hopper's launch features: programmatic dependent launch, thread-block clusters."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9

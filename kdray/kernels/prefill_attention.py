@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kdray.kernels.cuda_module import launch, sm_count
+from kdray.kernels.cuda_module import launch, sm90a, sm_count
 from kdray.kernels.tree_verify_attention import combine_cols, split_k_outputs
 
 MAX_FLASH_HEAD_DIM = 256  # FlashAttention's largest head dim
@@ -233,7 +233,7 @@ def _mla_kernel_takes(q, k_nope, k_pe, v) -> bool:
     contiguous columns?"""
     ts = (q, k_nope, k_pe, v)
     if not (q.is_cuda and all(t.device == q.device and t.dtype == torch.bfloat16 for t in ts)
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and sm90a(q.device.index)
             and (k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]) == MLA_KERNEL_DIMS and q.is_contiguous()):
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in ts)

@@ -36,14 +36,13 @@ shard against torch.bmm's 4.8, a cuBLAS kernel, which the next one cannot start 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdray.kernels.cuda_module import launch, sm90_or_later, sm_count
+from kdray.kernels.cuda_module import launch, sm90_or_later, sm90a, sm_count
 
 MAX_ROWS = 2  # rows of x that take the kernel (see above)
 WGMMA_MAX_ROWS = 32  # rows of x past MAX_ROWS that take skinny_linear_wgmma.cu on an sm_90 GPU (see above)
@@ -68,12 +67,26 @@ def skinny_linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.d
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x [..., K] @ w [N, K]^T`` takes the kernel."""
+    """Whether ``x [..., K] @ w [N, K]^T`` takes the FMA kernel: 1 to MAX_ROWS rows."""
+    return 0 < _streamed_rows(x, w) <= MAX_ROWS
+
+
+def wgmma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x [..., K] @ w [N, K]^T`` takes the tensor-core kernel: MAX_ROWS + 1 to WGMMA_MAX_ROWS rows on an
+    sm_90 GPU, N a multiple of 4."""
+    return (MAX_ROWS < _streamed_rows(x, w) <= WGMMA_MAX_ROWS and w.shape[0] % 4 == 0
+            and sm90a(x.device.index))
+
+
+def _streamed_rows(x: torch.Tensor, w: torch.Tensor) -> int:
+    """x's rows where both kernels could take ``x [..., K] @ w [N, K]^T`` (CUDA, x and w of one 16-bit dtype,
+    K a positive multiple of 256, w contiguous and 16-byte aligned, no autograd), else 0."""
     K = w.shape[-1]
-    rows = x.numel() // K if K else 0
-    return (x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and 0 < rows <= MAX_ROWS and K % K_STEP == 0
-            and x.shape[-1] == K and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+    if not (K and x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and K % K_STEP == 0 and x.shape[-1] == K
+            and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return 0
+    return x.numel() // K
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -91,9 +104,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
                          f"(contiguous: {out.is_contiguous()}), with out_dtype None")
     if accumulate and out is None:
         raise ValueError("skinny_linear's accumulate adds into out: give out")
-    tensor_cores = wgmma_fits(x, w, out)
-    splits = kernel_splits(*w.shape, x.device) if not tensor_cores and fits(x, w) \
-        and (out is None or out.data_ptr() % 16 == 0) else 0
+    out_aligned = out is None or out.data_ptr() % 16 == 0
+    tensor_cores = out_aligned and wgmma_fits(x, w)
+    splits = kernel_splits(*w.shape, x.device) if out_aligned and not tensor_cores and fits(x, w) else 0
     if not (tensor_cores or splits):
         if out is None:
             return skinny_linear_reference(x, w, out_dtype)
@@ -113,22 +126,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     else:
         _launch(x2, w, y, N, K, splits, group_rows=N, w_pitch=N, fp32_out=fp32_out, accumulate=accumulate)
     return y.view(*x.shape[:-1], N) if out is None else out
-
-
-def wgmma_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-    """Whether ``x [..., K] @ w [N, K]^T`` (into ``out``) takes the tensor-core kernel: MAX_ROWS + 1 to
-    WGMMA_MAX_ROWS rows of a 16-bit x on an sm_90 GPU, K a multiple of 256 (as for the FMA kernel), N of 4."""
-    N, K = w.shape
-    rows = x.numel() // K if K else 0
-    return (x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and MAX_ROWS < rows <= WGMMA_MAX_ROWS
-            and K % K_STEP == 0 and N % 4 == 0 and x.shape[-1] == K and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and (out is None or out.data_ptr() % 16 == 0) and _sm90a(x.device.index)
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
-
-
-@functools.cache
-def _sm90a(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def wgmma_splits(N: int, K: int, device: torch.device) -> int:

@@ -67,11 +67,7 @@ __device__ __forceinline__ int seq_of(const int* cu_q, int B, int t) {
 // Byte offset of 16-byte chunk c of row r in a 64-row tile stored as [c / 8][row][128 B], 128B swizzle.
 __device__ __forceinline__ u32 swz(int r, int c) { return ((c >> 3) << 13) + (r << 7) + (((c ^ r) & 7) << 4); }
 
-// 16-byte global -> shared copy; zero-fills the destination when !valid.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// (cp_async16 and cp_async_commit: wgmma.cuh.)
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Arrives on the mbarrier at bar once this thread's cp.async copies so far have landed (counted in its init count).
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {

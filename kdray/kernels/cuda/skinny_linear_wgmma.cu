@@ -46,13 +46,6 @@ typedef float out_t;
 typedef elem_t out_t;
 #endif
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {  // through L2 only
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // Four consecutive outputs of one row: read (with ACCUMULATE) and written.
 __device__ __forceinline__ float4 load4(const out_t* p) {
 #ifdef OUT_F32
@@ -99,13 +92,13 @@ extern "C" __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__(128
   auto load_w = [&](int s) {
     const u32 st = base + (s % STAGES) * STAGE;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(st + wdst[i], wsrc[i] + 64 * s);
+    for (int i = 0; i < 4; ++i) cp_async16(st + wdst[i], wsrc[i] + 64 * s, true);
   };
   auto load_x = [&](int s) {
     const u32 st = base + (s % STAGES) * STAGE;
 #pragma unroll
     for (int i = 0; i < XI; ++i)
-      if (r0 + 16 * i < M) cp_async16(st + xdst + 2048 * i, xsrc + (long long)16 * i * K + 64 * s);
+      if (r0 + 16 * i < M) cp_async16(st + xdst + 2048 * i, xsrc + (long long)16 * i * K + 64 * s, true);
   };
 
   griddep_launch_dependents();

@@ -31,16 +31,10 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return a;
 }
 
-// 16 (or 4) bytes global -> shared address dst, bypassing registers; zero-filled when !valid.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
+// 4 bytes global -> shared address dst, bypassing registers; zero-filled when !valid (cp_async16: wgmma.cuh).
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // The four 8x8 b16 matrices whose rows lanes 8i..8i+7 address -> a[i] (an m16k16 A fragment).
 __device__ __forceinline__ void ldmatrix_x4(u32* a, u32 addr) {

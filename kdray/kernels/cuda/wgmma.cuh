@@ -1,5 +1,6 @@
-// Hopper shared-memory, mbarrier / TMA bulk copy and warpgroup-MMA (wgmma) helpers shared by tree_verify_attention.cu
-// and w4a16_moe.cu. All but smem_u32 and the operand-list macros exist only when compiling for sm_90a
+// Hopper shared-memory, mbarrier / TMA bulk copy and warpgroup-MMA (wgmma) helpers shared by tree_verify_attention.cu,
+// prefill_attention.cu (through attention_tile.cuh), w4a16_moe.cu and skinny_linear_wgmma.cu. All but smem_u32, the
+// cp.async copies (sm_80 and later) and the operand-list macros exist only when compiling for sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL).
 #pragma once
 
@@ -7,6 +8,16 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared address dst through L2 (cp.async.cg), bypassing registers; zero-filled when !valid.
+// Copies since the last commit form a group; cp_async_wait<N> waits until at most N of this thread's groups are in
+// flight.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // A wgmma's fp32 accumulator operands d[0..N-1], read and written ("+f"), for the asm statements below and in
 // the kernels that include this file.
