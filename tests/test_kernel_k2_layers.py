@@ -118,7 +118,7 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carrie
     before the router up to SHARED_FIRST_TOKENS tokens, after it past that); the finalize waits for them. With the
     side stream held back ~25 ms, the layer still equals one whose shared experts run on the current stream (without
     the wait it would add a buffer the shared experts had not written yet, or on rank 0 the stream before they had
-    added into it)."""
+    added into it). The shared experts' projections, and only theirs, tell skinny_linear they run beside others."""
     cfg = k2_shard_config()
     model = random_model(cfg)
     moe = next(m for m in model.modules() if isinstance(m, k2.MoE))
@@ -129,6 +129,11 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carrie
     order = []  # the fork and the router, as the layer issues them
     router_logits = k2.MoE._router_logits
     monkeypatch.setattr(k2.MoE, "_router_logits", lambda self, x: order.append("router") or router_logits(self, x))
+    shared = {moe.shared.gate_up.weight.data_ptr(), moe.shared.down.weight.data_ptr()}
+    projections = []  # (a shared expert's weight, beside) of each skinny_linear call
+    linear = k2.skinny_linear
+    monkeypatch.setattr(k2, "skinny_linear", lambda x, w, *a, **kw: projections.append(
+        (w.data_ptr() in shared, kw.get("beside", False))) or linear(x, w, *a, **kw))
 
     def held_back(device):
         order.append("fork")
@@ -153,8 +158,10 @@ def test_shared_experts_beside_the_routing_are_waited_for(monkeypatch, T, carrie
         layer(-x)  # loads the kernels, whose first-call host time would hide a missing wait; leaves -x's output stale
         monkeypatch.setattr(k2, "_side_stream", held_back)
         order.clear()
+        projections.clear()
         beside = layer(x).float()  # before one_stream: a buffer reused from it would already hold the right output
         assert order == (["fork", "router"] if T <= 2 else ["router", "fork"])
+        assert sorted(projections) == [(False, False), (True, True), (True, True)]  # router; shared gate/up, down
         monkeypatch.setattr(k2, "_side_stream", current)
         one_stream = layer(x).float()
     torch.cuda.synchronize()

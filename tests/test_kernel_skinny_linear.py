@@ -6,8 +6,8 @@ import torch
 from gpu_checks import poison_allocator
 
 import kdray.kernels.skinny_linear as SL
-from kdray.kernels.skinny_linear import (MAX_ROWS, MAX_SPLIT, WGMMA_MAX_ROWS, bmm_fits, fits, k_splits, skinny_bmm,
-                                         skinny_linear, wgmma_fits, wgmma_smem)
+from kdray.kernels.skinny_linear import (MAX_ROWS, MAX_SPLIT, WGMMA_ALL_ROWS, WGMMA_MAX_ROWS, bmm_fits, fits, k_splits,
+                                         skinny_bmm, skinny_linear, wgmma_fits, wgmma_smem)
 
 needs_sm90a = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                  reason="the tensor-core kernel needs an sm_90 GPU")
@@ -70,16 +70,18 @@ def test_a_k_split_needs_clusters_else_cublas(monkeypatch):
         assert SL.kernel_splits(7168, 1024, dev) == 1  # o_proj: 448 row groups
 
 
-def test_the_tensor_core_split_fills_two_blocks_an_sm(monkeypatch):
+def test_the_tensor_core_split_fills_two_blocks_an_sm_then_one(monkeypatch):
     """skinny_linear_wgmma's K split on 132 SMs for K2's TP8 shard projections: the largest divisor of K / 64 up to
-    a cluster of 8 that keeps the grid of 64-row blocks within two blocks an SM; and two blocks fit an SM's shared
-    memory at its most rows."""
+    a cluster of 8 that keeps the grid of 64-row blocks within two blocks an SM up to WGMMA_ALL_ROWS rows of x, one
+    past them; and two blocks fit an SM's shared memory at WGMMA_ALL_ROWS rows, one at WGMMA_MAX_ROWS."""
     monkeypatch.setattr(SL, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     splits = {(2112, 7168): 8, (1536, 1536): 8, (7168, 1024): 2, (384, 7168): 8, (512, 7168): 8, (7168, 256): 2,
               (2560, 7168): 4}  # a_proj, q_b, o_proj, router, shared gate/up, shared down, the vocabulary's shard
-    assert {nk: SL.wgmma_splits(*nk, dev) for nk in splits} == splits
-    assert 2 * wgmma_smem(-(-WGMMA_MAX_ROWS // 8) * 8) <= 227 * 1024
+    assert {nk: SL.wgmma_splits(*nk, 17, dev) for nk in splits} == splits
+    wide = {(2112, 7168): 4, (1536, 1536): 4, (384, 7168): 8}  # a_proj, q_b, router: a 64-node tree and its root
+    assert {nk: SL.wgmma_splits(*nk, 65, dev) for nk in wide} == wide
+    assert 2 * wgmma_smem(WGMMA_ALL_ROWS) <= 227 * 1024 and wgmma_smem(-(-WGMMA_MAX_ROWS // 8) * 8) <= 227 * 1024
 
 
 def test_tensor_cores_take_only_cuda_inputs():
@@ -135,7 +137,7 @@ def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
     first (within an ulp of the stream's values where the sum cancels)."""
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    for M in (1, MAX_ROWS, MAX_ROWS + 1, WGMMA_MAX_ROWS, WGMMA_MAX_ROWS + 1):
+    for M in (1, MAX_ROWS, MAX_ROWS + 1, WGMMA_ALL_ROWS, WGMMA_MAX_ROWS, WGMMA_MAX_ROWS + 1):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         stream = (4 * torch.randn(M, N, device="cuda", generator=g)).bfloat16()
         kernel = fits(x, w) or wgmma_fits(x, w)
@@ -155,7 +157,7 @@ def test_cuda_accumulate_adds_out_before_the_one_rounding(N, K):
 def test_cuda_fp32_output_matches_fp32_reference(N, K):
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    for M in (*range(1, MAX_ROWS + 2), WGMMA_MAX_ROWS, WGMMA_MAX_ROWS + 1):  # the kernels, then cuBLAS
+    for M in (*range(1, MAX_ROWS + 2), WGMMA_ALL_ROWS, WGMMA_MAX_ROWS, WGMMA_MAX_ROWS + 1):  # kernels, then cuBLAS
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         assert fits(x, w) == (M <= MAX_ROWS)
         poison_allocator()
@@ -197,9 +199,12 @@ WGMMA_SHAPES = [  # (N, K): K2 TP8 shard projections (K split over 8, 2 and 1 bl
 def test_tensor_core_kernel_matches_fp32_reference(N, K, dtype):
     g = torch.Generator("cuda").manual_seed(N * 5 + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
-    for M in (MAX_ROWS + 1, 8, 17, WGMMA_MAX_ROWS):
+    few_blocks = 2 * -(-N // 64) <= torch.cuda.get_device_properties(0).multi_processor_count
+    for M in (MAX_ROWS + 1, 8, 17, WGMMA_ALL_ROWS, WGMMA_ALL_ROWS + 1, 65, WGMMA_MAX_ROWS):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-        assert wgmma_fits(x, w)
+        assert wgmma_fits(x, w) == (M <= WGMMA_ALL_ROWS or few_blocks)
+        if not wgmma_fits(x, w):
+            continue
         poison_allocator()
         y = skinny_linear(x, w)
         torch.testing.assert_close(y, reference(x, w), rtol=2 ** -7, atol=2e-3)
@@ -209,16 +214,21 @@ def test_tensor_core_kernel_matches_fp32_reference(N, K, dtype):
 @pytest.mark.gpu
 @needs_sm90a
 def test_rows_pick_the_kernel(monkeypatch):
-    """One or two rows stream through FMAs, three to WGMMA_MAX_ROWS through the tensor cores, more on cuBLAS."""
+    """One or two rows stream through FMAs, three to WGMMA_ALL_ROWS through the tensor cores; to WGMMA_MAX_ROWS
+    only projections of few 64-row blocks (the router, not o_proj) not run beside other kernels; more on cuBLAS."""
     launched = []
     real = SL.launch
     monkeypatch.setattr(SL, "launch", lambda name, *a, **k: (launched.append(name), real(name, *a, **k))[1])
-    w = torch.randn(512, 7168, device="cuda").bfloat16()
-    for M, kernel in ((MAX_ROWS, "skinny_linear"), (MAX_ROWS + 1, "skinny_linear_wgmma"),
-                      (WGMMA_MAX_ROWS, "skinny_linear_wgmma"), (WGMMA_MAX_ROWS + 1, None)):
-        launched.clear()
-        skinny_linear(torch.randn(M, 7168, device="cuda").bfloat16(), w)
-        assert launched == ([kernel] if kernel else []), M
+    cases = {(384, 7168, False): ((MAX_ROWS, "skinny_linear"), (MAX_ROWS + 1, "skinny_linear_wgmma"),
+                                  (WGMMA_MAX_ROWS, "skinny_linear_wgmma"), (WGMMA_MAX_ROWS + 1, None)),
+             (384, 7168, True): ((WGMMA_ALL_ROWS, "skinny_linear_wgmma"), (WGMMA_ALL_ROWS + 1, None)),
+             (7168, 1024, False): ((WGMMA_ALL_ROWS, "skinny_linear_wgmma"), (WGMMA_ALL_ROWS + 1, None))}
+    for (N, K, beside), rows in cases.items():
+        w = torch.randn(N, K, device="cuda").bfloat16()
+        for M, kernel in rows:
+            launched.clear()
+            skinny_linear(torch.randn(M, K, device="cuda").bfloat16(), w, beside=beside)
+            assert launched == ([kernel] if kernel else []), (N, beside, M)
 
 
 def test_bmm_off_the_kernel_is_torch_bmm():

@@ -12,13 +12,20 @@ on cuBLAS (``kernel_splits``).
   the H200 (``benchmarks/bench_linear.py`` with more rows allowed, 2026-12-03) 1.0-1.6x at 2 rows, 0.6-1.1x at 8; in
   K2's graphed TP8-shard pass on an H100 (2026-12-06, alternated) 2 tokens 6.50 -> 6.17 ms, 3 tokens -0.9% in one
   call and +0.2% in another, 4 tokens 7.44 -> 7.75, and 8 tokens 9.7 -> 11.0 on the H200 (2026-12-03).
-* Three to ``WGMMA_MAX_ROWS`` (32) rows on an sm_90 GPU: ``cuda/skinny_linear_wgmma.cu`` streams them through the
+* Three to ``WGMMA_ALL_ROWS`` (32) rows on an sm_90 GPU: ``cuda/skinny_linear_wgmma.cu`` streams them through the
   tensor cores (wgmma, the weights as A, 64 rows a block; x's rows as B), its first weight stages loaded before the
   dependency wait (so in a graph the weights must not be written by the kernel just ahead: they are a model's). In
   K2's graphed shard pass on an H100 (2026-12-07, alternated with cuBLAS): 8 tokens 9.945 -> 9.543 ms (-4.0%), 17
-  tokens 13.01 -> 12.42 (-4.6%), 4 tokens -0.8%, and three split-K reduce kernels a layer fewer; at 65 tokens the
-  pass was 2.7-4.3% slower (the projections that do not split K, o_proj and the shared experts' down GEMM, lose to
-  cuBLAS there: 1.1-1.4x alone), hence 32.
+  tokens 13.01 -> 12.42 (-4.6%), 4 tokens -0.8%, and three split-K reduce kernels a layer fewer. Past 32 rows o_proj
+  and the shared experts' down GEMM lose to cuBLAS (1.1-1.4x its time alone at 65 rows; every projection on the
+  kernel made 65 tokens 2.7-4.3% slower).
+* ``WGMMA_ALL_ROWS`` + 1 to ``WGMMA_MAX_ROWS`` (72) rows: only projections of at most half the SMs' worth of 64-row
+  blocks (those cuBLAS splits K on: K2's a_proj, q_b and router), and not those run ``beside`` other kernels. The
+  shared experts run beside the routed ones (``model/k2.py``): on the kernel, with no split-K reduce kernel to wait
+  for SM room, their gate/up and then their down GEMM ran as the routed experts' kernels started and slowed them by
+  more than they took (H100, a 65-token pass's layer: the routed down kernel 107 -> 134 us), and the pass got 2.8%
+  slower. Without them (H100, 2026-12-07, alternated): 65 tokens -0.6%, 34 tokens -2.5%, 68 tokens -0.7%, and two
+  split-K reduce kernels a layer fewer; up to 128 rows made 97 tokens 0.8-1.0% slower.
 
 CUDA bf16 / fp16 inputs in those row ranges, with ``K % 256 == 0`` (and ``N % 4`` for the tensor cores) and
 16-byte aligned rows take a kernel; everything else (and the reference) is ``F.linear``, or cuBLAS's fp32-output
@@ -45,10 +52,11 @@ import torch.nn.functional as F
 from kdray.kernels.cuda_module import launch, sm90_or_later, sm90a, sm_count
 
 MAX_ROWS = 2  # rows of x that take the kernel (see above)
-WGMMA_MAX_ROWS = 32  # rows of x past MAX_ROWS that take skinny_linear_wgmma.cu on an sm_90 GPU (see above)
+WGMMA_ALL_ROWS = 32  # rows of x past MAX_ROWS with which every projection takes skinny_linear_wgmma.cu (sm_90)
+WGMMA_MAX_ROWS = 72  # ... and past WGMMA_ALL_ROWS, those of few 64-row blocks not run beside other kernels (above)
 WGMMA_STAGES = 6  # its cp.async ring: stages of 64 k
 WGMMA_ROWS_PER_BLOCK = 64  # weight rows a block (one warpgroup's wgmma M)
-WGMMA_WAVES = 2  # blocks per SM its K split aims for
+WGMMA_WAVES = 2  # blocks per SM its K split aims for up to WGMMA_ALL_ROWS rows of x; one past them
 ROWS_PER_BLOCK = 16  # WARPS * RPW in the .cu
 RPW = 2  # weight rows per warp in the .cu: a group of skinny_bmm holds whole warps
 THREADS = 256  # 32 * WARPS in the .cu
@@ -71,11 +79,15 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     return 0 < _streamed_rows(x, w) <= MAX_ROWS
 
 
-def wgmma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x [..., K] @ w [N, K]^T`` takes the tensor-core kernel: MAX_ROWS + 1 to WGMMA_MAX_ROWS rows on an
-    sm_90 GPU, N a multiple of 4."""
-    return (MAX_ROWS < _streamed_rows(x, w) <= WGMMA_MAX_ROWS and w.shape[0] % 4 == 0
-            and sm90a(x.device.index))
+def wgmma_fits(x: torch.Tensor, w: torch.Tensor, beside: bool = False) -> bool:
+    """Whether ``x [..., K] @ w [N, K]^T`` takes the tensor-core kernel on an sm_90 GPU, N a multiple of 4:
+    MAX_ROWS + 1 to WGMMA_ALL_ROWS rows; up to WGMMA_MAX_ROWS where w has at most half the SMs' worth of 64-row
+    blocks and the product does not run ``beside`` other kernels (see above)."""
+    rows, N = _streamed_rows(x, w), w.shape[0]
+    if not (MAX_ROWS < rows <= WGMMA_MAX_ROWS and N % 4 == 0 and sm90a(x.device.index)):
+        return False
+    few_blocks = 2 * math.ceil(N / WGMMA_ROWS_PER_BLOCK) <= sm_count(x.device.index)
+    return rows <= WGMMA_ALL_ROWS or (few_blocks and not beside)
 
 
 def _streamed_rows(x: torch.Tensor, w: torch.Tensor) -> int:
@@ -90,10 +102,11 @@ def _streamed_rows(x: torch.Tensor, w: torch.Tensor) -> int:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+                  out: torch.Tensor | None = None, accumulate: bool = False, beside: bool = False) -> torch.Tensor:
     """x ``[..., K]``, w ``[N, K]`` -> ``[..., N]`` in ``out_dtype``: x's dtype (None) or float32; written into
     ``out`` (contiguous, x's dtype) when given, else into a new tensor. With ``accumulate``, ``out += x W^T``:
-    out's values join the fp32 sums before their one rounding (a GEMM's beta = 1; in place, no copy)."""
+    out's values join the fp32 sums before their one rounding (a GEMM's beta = 1; in place, no copy). ``beside``:
+    the caller runs it on a side stream beside other kernels (past WGMMA_ALL_ROWS rows: cuBLAS)."""
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"skinny_linear's out_dtype is x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     N, K = w.shape
@@ -105,7 +118,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     if accumulate and out is None:
         raise ValueError("skinny_linear's accumulate adds into out: give out")
     out_aligned = out is None or out.data_ptr() % 16 == 0
-    tensor_cores = out_aligned and wgmma_fits(x, w)
+    tensor_cores = out_aligned and wgmma_fits(x, w, beside)
     splits = kernel_splits(*w.shape, x.device) if out_aligned and not tensor_cores and fits(x, w) else 0
     if not (tensor_cores or splits):
         if out is None:
@@ -128,10 +141,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     return y.view(*x.shape[:-1], N) if out is None else out
 
 
-def wgmma_splits(N: int, K: int, device: torch.device) -> int:
-    """skinny_linear_wgmma's K split (blocks of a cluster): the largest divisor of K's 64-k steps, up to MAX_SPLIT,
-    that keeps the grid within ``WGMMA_WAVES`` blocks an SM."""
-    return k_splits(math.ceil(N / WGMMA_ROWS_PER_BLOCK), K // 64, sm_count(device.index), waves=WGMMA_WAVES)
+def wgmma_splits(N: int, K: int, rows: int, device: torch.device) -> int:
+    """skinny_linear_wgmma's K split (blocks of a cluster) for ``rows`` rows of x: the largest divisor of K's 64-k
+    steps, up to MAX_SPLIT, that keeps the grid within ``WGMMA_WAVES`` blocks an SM (one past WGMMA_ALL_ROWS)."""
+    waves = WGMMA_WAVES if rows <= WGMMA_ALL_ROWS else 1
+    return k_splits(math.ceil(N / WGMMA_ROWS_PER_BLOCK), K // 64, sm_count(device.index), waves=waves)
 
 
 def wgmma_smem(nx: int, stages: int = WGMMA_STAGES) -> int:
@@ -144,7 +158,7 @@ def _launch_wgmma(x, w, y, fp32_out: bool, accumulate: bool):
     """skinny_linear_wgmma.cu over x ``[M, K]``, w ``[N, K]`` into y ``[M, N]``; ``accumulate``: y += the product."""
     (M, K), N = x.shape, w.shape[0]
     nx = -(-M // 8) * 8  # x's rows as wgmma's N: a multiple of 8
-    splits = wgmma_splits(N, K, x.device)
+    splits = wgmma_splits(N, K, M, x.device)
     launch("skinny_linear_wgmma", "skinny_linear_wgmma", (math.ceil(N / WGMMA_ROWS_PER_BLOCK), splits), (128,),
            (x, w, y, np.int32(M), np.int32(N), np.int32(K)), shared_mem=wgmma_smem(nx), device=x.device,
            defines=(("DTYPE", DTYPES[x.dtype]), ("NX", nx), ("CLUSTER", splits), ("STAGES", WGMMA_STAGES))

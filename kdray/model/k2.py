@@ -245,9 +245,10 @@ class MoE(nn.Module):
                 add = torch.empty_like(x) if residual is None else residual  # [T, H]
                 side = _side_stream(x.device)  # forked before or after the router (SHARED_FIRST_TOKENS)
                 side.wait_stream(torch.cuda.current_stream(x.device))
-                with torch.cuda.stream(side):
-                    skinny_linear(silu_mul(self.shared.gate_up(x)), self.shared.down.weight, out=add,
-                                  accumulate=residual is not None)
+                with torch.cuda.stream(side):  # (beside: past 32 tokens on cuBLAS, see kernels/skinny_linear.py)
+                    gate_up = skinny_linear(x, self.shared.gate_up.weight, beside=True)  # [T, 2 I / tp]
+                    skinny_linear(silu_mul(gate_up), self.shared.down.weight, out=add,
+                                  accumulate=residual is not None, beside=True)
             else:
                 add = self.shared(x, residual)
         if logits is None:
