@@ -337,9 +337,9 @@ ROUTED_SHAPES = [  # T, E, k, n_group, topk_group, local experts (e0, n): routin
     (4, 8, 8, 1, 1, None),  # ... over fewer experts than slots (the warp's scratch is 32 ints)
     (4, 384, 8, 1, 1, (96, 96)),  # ... with the other ranks' experts dropped
     (7, 256, 8, 8, 4, None),  # DeepSeek-V3 groups
-    (16, 384, 8, 1, 1, (96, 96)),  # expert parallelism: rank 1 of 4
+    (10, 384, 8, 1, 1, (96, 96)),  # expert parallelism: rank 1 of 4
     (ROUTE_PREP_MAX_T, 384, 8, 1, 1, None),
-    (ROUTE_PREP_MAX_T, ROUTE_PREP_MAX_E, 8, 4, 2, (320, 320)),  # group scratch past 48 KB of shared memory
+    (ROUTE_PREP_MAX_T, ROUTE_PREP_MAX_E, 8, 4, 2, (320, 320)),  # the most experts: group scratch T x E floats
     (ROUTE_PREP_MAX_T, 16, 8, 4, 2, None),  # 16 rows per expert: rs or the tile path (x permuted in the prep)
     (ROUTE_PREP_MAX_T + 1, 384, 8, 1, 1, None),  # above the bound: moe_route, then moe_prep
 ]
@@ -680,7 +680,8 @@ def test_cuda_token_chunks_give_the_same_bits(monkeypatch, variant):
 
 @pytest.mark.gpu
 def test_cuda_wgmma_routed_in_prep_equals_route_then_moe():
-    """routed_w4a16_moe routing inside the prep launch ahead of the wgmma GEMMs (8 experts, top-8: 32 rows each)."""
+    """routed_w4a16_moe routing inside the prep launch ahead of the wgmma GEMMs (8 experts, top-8: ROUTE_PREP_MAX_T
+    rows each)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma family needs an sm_90 GPU")
     gen = torch.Generator("cuda").manual_seed(14)

@@ -108,7 +108,12 @@ CHUNK_TOKENS = 16384
 # 56 us at 4096 tokens, 155 of 200 at 16384; split, the prep took 49.5 and 151-154; even at 2080 tokens, and 1 us
 # slower at 1024, where the second launch costs more than the sort).
 SORT_SPLIT_SLOTS, SORT_BLOCKS = 16384, 32
-ROUTE_PREP_MAX_T = 32  # tokens moe_route_prep routes: one per warp of its 1024-thread block 0
+# Up to this many tokens moe_route_prep routes them in the prep launch, a warp each in its 1024-thread block 0 (it can
+# take 32). One SM's warps then route them all, so the launch grows with T, where moe_route spreads its warps over
+# SMs: alone on an H100 (K2 TP8 shard, eager) 3.9 us at 1 token, 6.0 at 8, 6.8 at 12, 8.4 at 17, 11.1 at 32, against
+# 6.3-6.9 us for moe_route and moe_prep; in the graphed 61-layer pass (alternated) the fold ahead at 9 tokens by 0.2%,
+# even at 13, behind at 17 by 0.8%.
+ROUTE_PREP_MAX_T = 12
 ROUTE_PREP_MAX_E = 640  # its 20 experts per lane fit the 64 registers a 1024-thread block allows (ptxas: 64, no spills)
 
 

@@ -31,10 +31,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_route(const float* __restr
   }
 }
 
-// moe_route then w4a16_moe's moe_prep in one launch, for T <= 32 tokens. Block 0: warp t routes token t (ids
-// and weights as moe_route writes them, the ids also kept in shared memory), then the block sorts the routed
-// slots over the n_local experts of this rank (moe_sort_slots; up to 32 slots warp 0 alone, the other warps gone:
-// 6.2-6.4 -> 4.8-5.1 us at one token of the K2 TP8 shard on the H200); blocks 1..P permute x.
+// moe_route then w4a16_moe's moe_prep in one launch, for T <= 32 tokens (w4a16_moe.py takes it to 12). Block 0:
+// warp t routes token t (ids and weights as moe_route writes them, the ids also kept in shared memory), then the
+// block sorts the routed slots over the n_local experts of this rank (moe_sort_slots; up to 32 slots warp 0 alone,
+// the other warps gone: 6.2-6.4 -> 4.8-5.1 us at one token of the K2 TP8 shard on the H200); blocks 1..P permute x.
 // Launch: grid (1 + P), block 1024, dynamic shared memory 4 T k + max(8 n_local, 128, n_group > 1 ? 4 T E : 0) bytes.
 // One block per SM asked: ptxas then gives it 64 registers (EPL <= 22 without spills); left to aim at two, it
 // spills from EPL = 8.
