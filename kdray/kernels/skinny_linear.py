@@ -24,7 +24,7 @@ on cuBLAS (``kernel_splits``).
   shared experts run beside the routed ones (``model/k2.py``): on the kernel, with no split-K reduce kernel to wait
   for SM room, their gate/up and then their down GEMM ran as the routed experts' kernels started and slowed them by
   more than they took (H100, a 65-token pass's layer: the routed down kernel 107 -> 134 us), and the pass got 2.8%
-  slower. Without them (H100, 2026-12-07, alternated): 65 tokens -0.6%, 34 tokens -2.5%, 68 tokens -0.7%, and two
+  slower. Without them (H100, 2026-12-07, alternated): 65 tokens -0.7%, 34 tokens -2.5%, 68 tokens -0.8%, and two
   split-K reduce kernels a layer fewer; up to 128 rows made 97 tokens 0.8-1.0% slower.
 
 CUDA bf16 / fp16 inputs in those row ranges, with ``K % 256 == 0`` (and ``N % 4`` for the tensor cores) and
