@@ -67,8 +67,7 @@ __device__ __forceinline__ int seq_of(const int* cu_q, int B, int t) {
 // Byte offset of 16-byte chunk c of row r in a 64-row tile stored as [c / 8][row][128 B], 128B swizzle.
 __device__ __forceinline__ u32 swz(int r, int c) { return ((c >> 3) << 13) + (r << 7) + (((c ^ r) & 7) << 4); }
 
-// (cp_async16 and cp_async_commit: wgmma.cuh.)
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// (cp_async16, cp_async_commit and cp_async_wait: wgmma.cuh.)
 // Arrives on the mbarrier at bar once this thread's cp.async copies so far have landed (counted in its init count).
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");

@@ -111,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 1) mla_prefill_mma(
   cp_async_commit();
   load_kv(0);
   if (nb > 1) load_kv(1);
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();  // Q landed (tiles 0 and 1 may still be landing: their full barriers say when)
 
   const int g = lane >> 2, t4 = lane & 3, r0 = 16 * wq + g;  // this thread's rows r0, r0 + 8 of the warpgroup's

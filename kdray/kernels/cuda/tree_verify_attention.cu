@@ -228,7 +228,7 @@ __device__ __forceinline__ void tva_mma_body(
 
   for (int n = 0; kb < kb_end; ++n, ++kb) {
     const int st = n & 1;
-    cp_async_wait_all();
+    cp_async_wait<0>();
 #ifdef ATTN_WGMMA
     fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
 #endif
