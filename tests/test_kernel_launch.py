@@ -174,6 +174,6 @@ def test_48_kib_of_dynamic_shared_memory_beside_static_shared_memory():
     x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
     y = torch.full((1, N), float("nan"), device="cuda").bfloat16()
     cuda_module.launch("skinny_linear", "skinny_linear", (-(-N // ROWS_PER_BLOCK), 2), (THREADS,),
-                       (x, w, y, np.int32(N), np.int32(K), np.int32(N), np.int32(N)), shared_mem=48 * 1024,
+                       (x, w, y, np.int32(N), np.int32(K), np.int32(N), np.int32(N), 0), shared_mem=48 * 1024,
                        defines=(("DTYPE", 1), ("M_ROWS", 1), ("CLUSTER", 2)))
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2 ** -7, atol=2e-3)

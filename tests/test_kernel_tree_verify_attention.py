@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 
 import kdray.kernels.tree_verify_attention as tva
+from gpu_checks import poison_allocator
 from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.cuda_module import sm90_or_later
+from kdray.kernels.skinny_linear import skinny_bmm
 from kdray.kernels.tree_verify_attention import (CLUSTER_SIZES, DECODE_SPLIT_TILES, _cluster_splits, _grid_splits,
                                                  _mma_smem_bytes, _num_splits, _tree_attention_cuda, combine_cols,
-                                                 gqa_tree_attention, mla_tree_attention, split_k_outputs,
-                                                 tree_attention_reference)
+                                                 SplitPartials, gqa_tree_attention, merge_split_partials,
+                                                 mla_tree_attention, split_k_outputs, tree_attention_reference)
 
 MLA_DK, MLA_DV = 576, 512
 
@@ -495,3 +497,56 @@ def test_cuda_inputs_are_checked():
     with pytest.raises(ValueError, match="value head dim 1024 .*1 to 512"):
         gqa_tree_attention(gq, gcache, *grest, 0.1)
     assert math.isfinite(float(mla_tree_attention(q, cache, bt, pl, cu, mask, 0.1, MLA_DV).float().sum()))
+
+
+def test_split_partials_merge_to_the_attention_over_all_keys():
+    """``merge_split_partials``: partials over disjoint key runs (each normalised by its own sum, with its max in log2
+    units and its sum) merge to the softmax over all keys; an empty partial (sum 0, values never written) adds
+    nothing."""
+    gen = torch.Generator().manual_seed(4)
+    T, H, D, K, scale = 3, 4, 16, 30, 0.3
+    q, k, v = (torch.randn(T, H, D, generator=gen), torch.randn(K, D, generator=gen), torch.randn(K, D, generator=gen))
+    s = torch.einsum("thd,kd->thk", q, k) * scale * math.log2(math.e)  # [T, H, K] in log2 units
+    o, ml = [], []
+    for run in (slice(0, 7), slice(7, 7), slice(7, 30)):  # the middle run holds no key
+        part = s[..., run]
+        m = part.amax(-1) if part.shape[-1] else torch.full((T, H), float("-inf"))
+        p = torch.exp2(part - m[..., None])
+        total = p.sum(-1)
+        o.append(torch.einsum("thk,kd->thd", p, v[run]) / total[..., None] if part.shape[-1]
+                 else torch.full((T, H, D), float("nan")))
+        ml.append(torch.stack([m, total], -1))
+    merged = merge_split_partials(SplitPartials(torch.stack(o), torch.stack(ml)))
+    torch.testing.assert_close(merged, torch.einsum("thk,kd->thd", torch.softmax(s * math.log(2), -1), v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,prefixes", [
+    ([1], [4096]),  # K2's TP8 shard at one query: 5 clusters of 8 splits
+    ([1, 1], [4096, 1000]),  # the second sequence's tile has fewer clusters: the rest marked empty
+    ([1, 1], [4096, 10]),  # ... and one key tile, one split: its partial by that split
+    ([2], [3000]),  # two queries of a sequence (16-row tile)
+    ([1], [100]),  # one cluster: merged here
+], ids=["decode", "two-lengths", "one-split", "two-queries", "one-cluster"])
+def test_unmerged_partials_give_the_w_uv_product_the_merged_bits(q_lens, prefixes):
+    """``unmerged=True`` leaves a launch's cluster partials to the W_UV product (``skinny_bmm``), which merges them as
+    it loads them: its output has the bits it has after the attention's own merge (allocations poisoned: a partial
+    left unwritten or unmarked shows)."""
+    if not sm90_or_later(torch.cuda.current_device()):
+        pytest.skip("thread-block clusters need sm_90")
+    scale = 0.13
+    case = make_case(q_lens, prefixes, heads=8, page_size=64, dtype=torch.bfloat16, device="cuda", seed=sum(prefixes))
+    T = case[0].shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    w_uv = (torch.randn(8, 128, MLA_DV, device="cuda", generator=gen) / MLA_DV ** 0.5).bfloat16()
+    merged = mla_tree_attention(*case, scale, MLA_DV, longest=max(q_lens))
+    poison_allocator()
+    parts = mla_tree_attention(*case, scale, MLA_DV, longest=max(q_lens), unmerged=True)
+    if max(prefixes) <= 100:
+        assert isinstance(parts, torch.Tensor) and torch.equal(parts, merged)
+        return
+    assert isinstance(parts, SplitPartials) and 2 <= parts.o.shape[0] <= tva.MAX_UNMERGED
+    torch.testing.assert_close(merge_split_partials(parts), merged, rtol=2 ** -7, atol=2e-3)
+    out = torch.full((T, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ref = skinny_bmm(merged, w_uv, torch.empty_like(out))
+    assert torch.equal(skinny_bmm(parts, w_uv, out), ref)

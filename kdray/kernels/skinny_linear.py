@@ -39,7 +39,10 @@ either way).
 
 ``skinny_bmm`` is the first kernel over groups: output rows of group g read x's row g and weight group g, as
 ``torch.bmm`` of ``[G, T, K]`` by ``[G, K, R]``: MLA's W_UV product per head at a token or two (one: 2.2 us on K2's
-shard against torch.bmm's 4.8, a cuBLAS kernel, which the next one cannot start behind).
+shard against torch.bmm's 4.8, a cuBLAS kernel, which the next one cannot start behind). Its x may also be the MLA
+attention's unmerged key-split partials (``SplitPartials``, ``mla_tree_attention(unmerged=True)``), which the kernel
+merges as it loads them, to the same bits as the attention's own merge: the attention then ends when its clusters have
+merged their own splits, without the fence, ticket and second merge that its last cluster would run.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from kdray.kernels.cuda_module import launch, sm90_or_later, sm90a, sm_count
+from kdray.kernels.tree_verify_attention import SplitPartials, merge_split_partials
 
 MAX_ROWS = 2  # rows of x that take the kernel (see above)
 WGMMA_ALL_ROWS = 32  # rows of x past MAX_ROWS with which every projection takes skinny_linear_wgmma.cu (sm_90)
@@ -183,14 +187,22 @@ def bmm_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
-def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[t, g] = w[g] @ x[t, g]``: x ``[T, G, K]``, w ``[G, R, K]`` (rows contiguous; groups any multiple of K
-    apart, as a view of a larger weight), out ``[T, G, R]``; returns out."""
-    splits = kernel_splits(w.shape[0] * w.shape[1], w.shape[2], x.device) if bmm_fits(x, w, out) else 0
+def bmm_merges_partials(T: int) -> bool:
+    """Whether ``skinny_bmm`` of ``T`` tokens merges ``SplitPartials`` on its kernel (else in torch, then the bmm)."""
+    return 0 < T <= MAX_ROWS
+
+
+def skinny_bmm(x: torch.Tensor | SplitPartials, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[t, g] = w[g] @ x[t, g]``: x ``[T, G, K]`` or the split partials of one (merged as loaded), w ``[G, R, K]``
+    (rows contiguous; groups any multiple of K apart, as a view of a larger weight), out ``[T, G, R]``; returns
+    out."""
+    xt = x.o[0] if isinstance(x, SplitPartials) else x
+    splits = kernel_splits(w.shape[0] * w.shape[1], w.shape[2], xt.device) if bmm_fits(xt, w, out) else 0
     if not splits:
-        return skinny_bmm_reference(x, w, out)
+        return skinny_bmm_reference(merge_split_partials(x) if xt is not x else x, w, out)
     G, R, K = w.shape
-    _launch(x, w, out, G * R, K, splits, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False, accumulate=False)
+    _launch(xt, w, out, G * R, K, splits, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False, accumulate=False,
+            partials=x if xt is not x else None)
     return out
 
 
@@ -201,13 +213,17 @@ def kernel_splits(N: int, K: int, device: torch.device) -> int:
     return splits if splits == 1 or sm90_or_later(device.index) else 0
 
 
-def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int, fp32_out: bool, accumulate: bool):
+def _launch(x, w, y, N: int, K: int, splits: int, group_rows: int, w_pitch: int, fp32_out: bool, accumulate: bool,
+            partials: SplitPartials | None = None):
     """The kernel over output rows N (groups of ``group_rows`` rows, ``w_pitch`` weight rows apart), K split over
-    ``splits`` blocks, one cluster a row group; ``accumulate``: y += the product."""
+    ``splits`` blocks, one cluster a row group; ``accumulate``: y += the product; ``partials``: x is the first of
+    these, merged as loaded."""
     launch("skinny_linear", "skinny_linear", (math.ceil(N / ROWS_PER_BLOCK), splits), (THREADS,),
-           (x, w, y, np.int32(N), np.int32(K), np.int32(group_rows), np.int32(w_pitch)), device=x.device,
+           (x, w, y, np.int32(N), np.int32(K), np.int32(group_rows), np.int32(w_pitch),
+            0 if partials is None else partials.ml), device=x.device,
            defines=(("DTYPE", DTYPES[x.dtype]), ("M_ROWS", x.shape[0]), ("CLUSTER", splits))
-           + ((("OUT_F32", 1),) if fp32_out else ()) + ((("ACCUMULATE", 1),) if accumulate else ()))
+           + ((("OUT_F32", 1),) if fp32_out else ()) + ((("ACCUMULATE", 1),) if accumulate else ())
+           + ((("X_PARTIALS", partials.o.shape[0]),) if partials is not None else ()))
 
 
 def k_splits(groups: int, steps: int, sm_count: int, waves: int = WAVES) -> int:

@@ -31,13 +31,19 @@ the GPU because one SM moves only tens of GB/s. On sm_90 the MLA kernel's splits
 (``_CLUSTER_KERNELS``) wherever the grid's splits make whole clusters of one of ``CLUSTER_SIZES`` blocks that are all
 resident at once (the largest such size) and few enough a tile (``MERGE_BLOCK_BYTES``): the blocks of a cluster merge
 its splits through distributed shared memory, each block its share of the value columns, and with several clusters
-the one that takes the last of a per-tile ticket merges their partials, so no second launch follows. Measured on the
+the one that takes the last of a per-tile ticket merges their partials, so no second launch follows; or, with
+``unmerged`` (a token or two: K2's W_UV product then runs on ``skinny_bmm``), the clusters leave their partials to that
+product, which merges them as it loads them, and the kernel ends without the fence, the ticket and that merge (H100,
+K2 TP8 at one query after 4096 keys: its in-kernel timeline spent 1.5 us in the ticket and 1.4 in the last merge;
+one query 4.860 -> 4.750 ms a graphed pass, two sequences 5.92 -> 5.82). Measured on the
 H200 at one K2 query after 4096 keys, an earlier form, where the tile's last CTA merged 22 partials alone after each
 split had streamed 3 key tiles, spent 6.3 us in those tiles and 5.7 us in that merge, and trees spent 4-7 us writing
 their partials 4 bytes at a time; the partials leave through shared memory as 16-byte stores
 (``benchmarks/results/tree-attention-2026-12-02-h200-session16.txt``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -77,6 +83,25 @@ def _check(q, block_table, prefix_lens, cu_q, tree_mask):
                          f"{tuple(tree_mask.shape)}")
 
 
+class SplitPartials(NamedTuple):
+    """An attention output left as the unmerged partials of its key splits (``mla_tree_attention(unmerged=True)``):
+    ``o [P, T, H, Dv]``, each partial normalised by its own sum, and ``ml [P, T, H, 2]`` fp32, each partial's (max of
+    its scaled scores in log2 units, sum); a partial of sum 0 holds no key and its ``o`` is not written. The output is
+    ``sum_p w_p o_p / sum_p w_p`` with ``w_p = sum_p 2^(max_p - the largest max)`` (``merge_split_partials``)."""
+    o: torch.Tensor
+    ml: torch.Tensor
+
+
+def merge_split_partials(p: SplitPartials) -> torch.Tensor:
+    """The output ``[T, H, Dv]`` (o's dtype) of split partials, in fp32 (the reference of the kernels' merges)."""
+    m, l = p.ml.unbind(-1)  # [P, T, H] each
+    top = m.amax(0)
+    w = torch.where(l > 0, l * torch.exp2(m - torch.where(top == float("-inf"), 0.0, top)), 0.0)  # [P, T, H]
+    acc = torch.where(w[..., None] > 0, w[..., None] * p.o.float(), 0.0).sum(0)
+    total = w.sum(0)[..., None]
+    return torch.where(total > 0, acc / total, 0.0).to(p.o.dtype)
+
+
 def tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, kv_split):
     """Plain torch reference for both forms; ``kv_split(rows) -> (k [n, Hkv, Dk], v [n, Hkv, Dv])``."""
     outs = []
@@ -97,7 +122,8 @@ def tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_m
 def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        prefix_lens: torch.Tensor, cu_q: torch.Tensor, tree_mask: torch.Tensor,
                        scale: float, kv_lora_rank: int, out: torch.Tensor | None = None,
-                       early_prefix: bool = False, longest: int | None = None) -> torch.Tensor:
+                       early_prefix: bool = False, longest: int | None = None,
+                       unmerged: bool = False) -> torch.Tensor | SplitPartials:
     """MLA latent tree attention: q ``[T, H, Dk]``, kv_cache ``[P, S, Dk]`` -> ``[T, H, kv_lora_rank]``.
 
     ``out`` (CUDA only, optional): a contiguous ``[T, H, kv_lora_rank]`` tensor of q's dtype to write into.
@@ -107,6 +133,9 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     kernel still runs (programmatic dependent launch, in a CUDA graph). q and the tree's rows are read after it.
     ``longest`` (CUDA only, optional): the most queries one sequence has, which spreads a ragged batch's keys better
     (:func:`_grid_splits`).
+    ``unmerged`` (CUDA only): where the launch merges its key splits inside the kernel in clusters, 2 to
+    ``MAX_UNMERGED`` of them a tile, return the clusters' partials (``SplitPartials``) for the next kernel to merge as
+    it loads them (``skinny_bmm``), instead of merging them here; else (and where ``out`` is given) the output.
     """
     _check(q, block_table, prefix_lens, cu_q, tree_mask)
     if q.shape[-1] != kv_cache.shape[-1]:
@@ -117,7 +146,7 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                              f"and kv_lora_rank={kv_lora_rank}")
         return _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, kv_heads=1,
                                     dv=kv_lora_rank, row_stride=kv_cache.shape[-1], v_off=0, out=out,
-                                    early_prefix=early_prefix, longest=longest)
+                                    early_prefix=early_prefix, longest=longest, unmerged=unmerged and out is None)
     split = lambda rows: (rows.unsqueeze(1), rows[:, None, :kv_lora_rank])  # noqa: E731
     return tree_attention_reference(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, split)
 
@@ -194,6 +223,9 @@ CLUSTER_SIZES = (8, 4, 2)
 MERGE_BLOCK_BYTES = 64 * 1024
 _CLUSTER_KERNELS = {"tva_mma_mla576"}
 MAX_TICKETS = 1 << 14  # (tile, KV head) pairs of one launch that can merge in the kernel
+# Clusters a tile whose partials an unmerged launch leaves to the next kernel: the most skinny_bmm merges as it loads x
+# (more are merged in the kernel, by the cluster that takes a tile's last ticket).
+MAX_UNMERGED = 8
 _TICKETS: dict[int, torch.Tensor] = {}
 
 
@@ -291,8 +323,10 @@ def _grid_splits(T: int, B: int, longest: int | None, group: int, kv_heads: int,
 
 
 def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask, scale, *, kv_heads, dv,
-                         row_stride, v_off, out=None, mma_sync=False, early_prefix=False, longest=None):
-    """Check and launch one batch on q's device and torch's current stream; ``mma_sync`` forces the sm_80 path."""
+                         row_stride, v_off, out=None, mma_sync=False, early_prefix=False, longest=None,
+                         unmerged=False):
+    """Check and launch one batch on q's device and torch's current stream; ``mma_sync`` forces the sm_80 path;
+    ``unmerged``: as :func:`mla_tree_attention` takes it."""
     T, hq, dk = q.shape
     B, max_pages = block_table.shape
     page_size = kv_cache.shape[1]
@@ -334,6 +368,7 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
         if merge is not None:
             cluster, n_splits, tickets = merge
     partials = n_splits // cluster  # with clusters, cluster c's partial at split c
+    unmerged = unmerged and tickets is not None and 2 <= partials <= MAX_UNMERGED
     out, ws_o, ws_ml = split_k_outputs(T, hq, dv, q.dtype, partials, dev, out)
     if T == 0 or B == 0:
         return out
@@ -351,11 +386,14 @@ def _tree_attention_cuda(q, kv_cache, block_table, prefix_lens, cu_q, tree_mask,
     kernel, warpgroups, _, _ = mma
     defines = (("ATTN_MMA_SYNC", 1),) if mma_sync else ()
     if tickets is not None:
-        defines += (("TVA_CLUSTER", cluster),)
+        defines += (("TVA_CLUSTER", cluster),) + ((("TVA_UNMERGED", 1),) if unmerged else ())
     launch(_MODULE, kernel, (tiles, n_splits, kv_heads), (128 * warpgroups,),
            inputs + (out, ws_o, ws_ml, 0 if tickets is None else tickets) + shape_args + geo_args
            + (i32(n_splits), i32(early_prefix)),
            shared_mem=smem, device=dev, defines=defines)
+    if unmerged:  # [partials, T, hq, dv] bf16, [partials, T, hq, 2] fp32
+        o = ws_o.view(q.dtype).view(partials, T, hq, dv)
+        return SplitPartials(o, ws_ml.view(torch.float32).view(partials, T, hq, 2))
     if n_splits > 1 and tickets is None:
         vw = combine_cols(T * hq, dv, sm_count(dev.index))
         launch(_MODULE, "tva_combine", (-(-T * hq * (dv // vw) // 4),), (128,),

@@ -8,8 +8,8 @@ form over the latent cache (576 values per token and layer for K2), through the 
 Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-quantized, kept packed).
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
 roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, W_UV's product
-runs per head on ``skinny_bmm`` at a token or two, the absorbed projections are otherwise batched GEMMs over
-``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
+runs per head on ``skinny_bmm`` at a token or two (merging the attention's key-split partials as it loads them), the
+absorbed projections are otherwise batched GEMMs over ``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
 experts at few tokens, part of the MoE's first kernel), and at prefill sizes the norm before the MoE also writes its
 input in the order of k the INT4 expert GEMMs read (``MoE.input_k_order``), which spares the MoE a pass over x.
 """
@@ -24,7 +24,7 @@ from kdray.kernels.mla_rope_cache import mla_rope_cache
 from kdray.kernels.moe_route import moe_route
 from kdray.kernels.prefill_attention import mla_prefill_attention
 from kdray.kernels.silu_mul import silu_mul
-from kdray.kernels.skinny_linear import skinny_bmm, skinny_linear
+from kdray.kernels.skinny_linear import bmm_merges_partials, skinny_bmm, skinny_linear
 from kdray.kernels.tree_verify_attention import mla_tree_attention
 from kdray.kernels.w4a16_moe import is_tiled, reads_expert_k_order, repack_int4_experts, routed_w4a16_moe
 from kdray.model.batch import ForwardBatch
@@ -121,7 +121,8 @@ class MLAttention(nn.Module):
                            q_latent=q_attn[..., :L])
             o_latent = mla_tree_attention(q_attn, cache, batch.block_table, batch.prefix_lens, batch.cu_q,
                                           batch.tree_mask, c.softmax_scale, L, early_prefix=True,
-                                          longest=max(batch.q_lens))  # [T, Hl, kv_lora]
+                                          longest=max(batch.q_lens), unmerged=bmm_merges_partials(T))
+            # o_latent: [T, Hl, kv_lora], or its key splits' partials, which the W_UV product merges as it loads them
             out = torch.empty(T, self.heads, c.v_head_dim, dtype=q.dtype, device=q.device)  # [T, Hl, v]
             skinny_bmm(o_latent, w_uv, out)  # per head: 1-2 tokens on skinny_linear's kernel, else torch.bmm
         return self.o_proj(out.reshape(T, self.heads * c.v_head_dim), add=residual)

@@ -11,7 +11,11 @@
 // shared memory) and writes y: no global round trip, no tickets (H200, alone: q_b 4.8 -> 3.8 us, the router 5.7 ->
 // 4.4 against partials in global memory summed by the block that took a row group's last ticket). y is rounded once
 // from fp32, as an fp32-accumulating GEMM rounds, or left in fp32 with OUT_F32. With ACCUMULATE, y += x w^T: y's
-// value is added to the fp32 sum before that rounding (as a GEMM's beta = 1 does).
+// value is added to the fp32 sum before that rounding (as a GEMM's beta = 1 does). With X_PARTIALS = P (grouped, 16-bit
+// x), x holds P unmerged split partials of each of its rows, [P][M_ROWS * G][K] (the MLA attention's, each normalised
+// by its own sum), and x_ml their (max in log2 units, sum) pairs [P][M_ROWS * G]: each element of x is their merge,
+// computed and rounded as the attention's own merge (SplitMerge in tree_verify_attention.cu) computes and rounds it,
+// so y has the same bits as after that merge; a partial of sum 0 adds nothing.
 #include "dtype.cuh"
 #include "griddep.cuh"
 
@@ -20,6 +24,9 @@
 #endif
 #ifndef CLUSTER
 #define CLUSTER 1
+#endif
+#ifndef X_PARTIALS
+#define X_PARTIALS 0
 #endif
 #define WARPS 8
 // Weight rows per warp (each x load serves RPW rows) and K steps unrolled. H200, K2 TP8 shard at one row
@@ -75,13 +82,38 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(WARPS * 32)
     skinny_linear(const elem_t* __restrict__ x,  // [M_ROWS, N / group_rows, K], rows contiguous
                   const elem_t* __restrict__ w,  // row j < group_rows of group g at (g * w_pitch + j) * K
                   out_t* __restrict__ y,         // [M_ROWS, N]
-                  int N, int K, int group_rows, int w_pitch) {
+                  int N, int K, int group_rows, int w_pitch,
+                  const float2* __restrict__ x_ml) {  // X_PARTIALS: [X_PARTIALS, M_ROWS * G] (else unused)
   griddep_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int KS = K / CLUSTER, k0 = blockIdx.y * KS, G = N / group_rows;
   const int row0 = blockIdx.x * ROWS_PER_BLOCK + warp * RPW;
   const int g = min(row0, N - 1) / group_rows;  // the group of the warp's rows (group_rows % RPW == 0 or G == 1)
   const elem_t* xg = x + (long long)g * K;
+#if X_PARTIALS
+  // Each row's partials' weights l_s 2^(m_s - max_s m_s) and the inverse of their sum
+  float pw[M_ROWS][X_PARTIALS], pinv[M_ROWS];
+#pragma unroll
+  for (int m = 0; m < M_ROWS; ++m) {
+    const float neg_inf = __int_as_float(0xff800000);
+    float2 ml[X_PARTIALS];
+    float mx = neg_inf, wsum = 0.f;
+#pragma unroll
+    for (int s = 0; s < X_PARTIALS; ++s) {
+      ml[s] = x_ml[((long long)s * M_ROWS + m) * G + g];
+      mx = fmaxf(mx, ml[s].x);
+    }
+    const float mu = mx == neg_inf ? 0.f : mx;  // no visible key: keep exp2 finite
+#pragma unroll
+    for (int s = 0; s < X_PARTIALS; ++s) {
+      pw[m][s] = ml[s].y * exp2f(ml[s].x - mu);
+      wsum += pw[m][s];
+    }
+    pinv[m] = wsum > 0.f ? 1.f / wsum : 0.f;
+  }
+#else
+  (void)x_ml;
+#endif
   float acc[RPW][M_ROWS];
 #pragma unroll
   for (int r = 0; r < RPW; ++r)
@@ -115,10 +147,26 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(WARPS * 32)
     for (int r = 0; r < RPW; ++r) wv[r] = load_stream(wr[r] + k);
 #pragma unroll
     for (int m = 0; m < M_ROWS; ++m) {
-      const vec8 xv = *reinterpret_cast<const vec8*>(xg + (long long)m * G * K + k);
       float xf[8];
+#if X_PARTIALS
+      vec8 xv[X_PARTIALS];
+#pragma unroll
+      for (int s = 0; s < X_PARTIALS; ++s)
+        xv[s] = *reinterpret_cast<const vec8*>(xg + ((long long)s * M_ROWS + m) * G * K + k);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] = 0.f;
+#pragma unroll
+      for (int s = 0; s < X_PARTIALS; ++s)
+        if (pw[m][s] > 0.f)  // an empty partial's values are not written
+#pragma unroll
+          for (int e = 0; e < 8; ++e) xf[e] = fmaf(pw[m][s], to_f(xv[s].v[e]), xf[e]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] = to_f(to_t(xf[e] * pinv[m]));
+#else
+      const vec8 xv = *reinterpret_cast<const vec8*>(xg + (long long)m * G * K + k);
 #pragma unroll
       for (int e = 0; e < 8; ++e) xf[e] = to_f(xv.v[e]);
+#endif
 #pragma unroll
       for (int r = 0; r < RPW; ++r)
 #pragma unroll

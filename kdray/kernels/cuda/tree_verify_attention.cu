@@ -24,6 +24,15 @@
 #if TVA_CLUSTER > 1
 #include "cluster.cuh"
 #endif
+// TVA_UNMERGED (with TVA_CLUSTER): each cluster leaves its merged partial in the workspace (cluster c at split c, as
+// when several clusters merge), a tile's idle clusters mark theirs empty (max -inf, sum 0), and no cluster merges them:
+// the kernel after this one does, as it loads them (skinny_linear.cu's X_PARTIALS).
+#ifdef TVA_UNMERGED
+static_assert(TVA_CLUSTER > 1, "TVA_UNMERGED leaves the partials of clusters");
+constexpr bool kUnmerged = true;
+#else
+constexpr bool kUnmerged = false;
+#endif
 
 // Does query row `mrow` (its tree_mask words) see cache position prefix + jj? (jj < 0: the prefix.)
 __device__ __forceinline__ bool visible(const int* mrow, int jj, int tree_n) {
@@ -105,7 +114,8 @@ __device__ __forceinline__ void cluster_merge(const unsigned char* smem, int row
   static_assert(DV % (8 * TVA_CLUSTER) == 0, "each block of a cluster merges whole 16-byte chunks");
   const unsigned rank = cluster_rank();
   cluster_sync();  // every split's rows and (max, sum) pairs are staged
-  bf16* const dst = clusters == 1 ? out : ws_o + cl * rows_total * DV;
+  const bool keep = kUnmerged || clusters > 1;  // the cluster's partial goes to the workspace
+  bf16* const dst = keep ? ws_o + cl * rows_total * DV : out;
   for (int it = threadIdx.x; it < rows * CH; it += THREADS) {
     const int r = it / CH, c = rank * CH + it % CH;
     const uint4* part = reinterpret_cast<const uint4*>(smem + o_swz(r, c, row_bytes));
@@ -115,9 +125,9 @@ __device__ __forceinline__ void cluster_merge(const unsigned char* smem, int row
       v = ld_cluster(part, s);
     });
     const float2 ml = merge.store(dst + out_row(r) * DV + c * 8);
-    if (clusters > 1 && c == 0) ws_ml[cl * rows_total + out_row(r)] = ml;
+    if (keep && c == 0) ws_ml[cl * rows_total + out_row(r)] = ml;
   }
-  if (clusters == 1) {
+  if (clusters == 1 || kUnmerged) {
     cluster_sync();  // no block leaves (its shared memory) before the others have read it
     return;
   }
@@ -166,8 +176,18 @@ __device__ __forceinline__ void tva_mma_body(
   // This tile's key tiles are cut into `used` runs of `per`; grid splits past them have nothing to do.
   const int rows = min(BM, q_len * G - tile * BM), nb = (n_keys + BN - 1) / BN;
   const int per = tiles_per_split(nb, n_splits), used = (nb + per - 1) / per;
+  const long long rows_total = (long long)T * Hq;
+  auto out_row = [&](int r) {  // output row of tile row r (< rows)
+    const int gr = tile * BM + r;
+    return (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
+  };
 #if TVA_CLUSTER > 1  // a cluster with a used split stays whole (its idle splits hold no keys); one split runs alone
-  if (used == 1 ? split > 0 : split / TVA_CLUSTER * TVA_CLUSTER >= used) return;
+  if (used == 1 ? split > 0 : split / TVA_CLUSTER * TVA_CLUSTER >= used) {
+    const int cl = split / TVA_CLUSTER;  // unmerged: an idle cluster's first block marks its partial empty
+    if (kUnmerged && split % TVA_CLUSTER == 0 && cl >= (used + TVA_CLUSTER - 1) / TVA_CLUSTER)
+      for (int r = tid; r < rows; r += NWG * 128) ws_ml[cl * rows_total + out_row(r)] = make_float2(-INFINITY, 0.f);
+    return;
+  }
 #else
   if (split >= used) return;
 #endif
@@ -297,11 +317,6 @@ __device__ __forceinline__ void tva_mma_body(
   // when one split holds all the keys, else to this split's partial, with its (max, sum), for tva_combine.
   __syncthreads();
   stage_rows<C::DVW>(smem, o, l, r0, t4, c0, C::O_ROW_BYTES);  // a split may hold no key a row sees
-  const long long rows_total = (long long)T * Hq;
-  auto out_row = [&](int r) {  // output row of tile row r (< rows)
-    const int gr = tile * BM + r;
-    return (long long)(q0 + gr / G) * Hq + kvh * G + gr % G;
-  };
 #if TVA_CLUSTER > 1
   if (used > 1) {
     float2* ml_sm = reinterpret_cast<float2*>(smem + C::X_OFF + 128 * 16 * 4);  // [BM] over the factors
@@ -315,8 +330,8 @@ __device__ __forceinline__ void tva_mma_body(
     return;
   }
 #endif
-  bf16* const dst = used == 1 ? out : ws_o + split * rows_total * DV;
-  if (used > 1 && wg == 0 && t4 == 0) {
+  bf16* const dst = used == 1 && !kUnmerged ? out : ws_o + split * rows_total * DV;
+  if ((used > 1 || kUnmerged) && wg == 0 && t4 == 0) {
 #pragma unroll
     for (int e = 0; e < 2; ++e)
       if (r0 + 8 * e < rows) ws_ml[split * rows_total + out_row(r0 + 8 * e)] = make_float2(m[e], l[e]);
