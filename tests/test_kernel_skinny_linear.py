@@ -8,6 +8,7 @@ from gpu_checks import poison_allocator
 import kdray.kernels.skinny_linear as SL
 from kdray.kernels.skinny_linear import (MAX_ROWS, MAX_SPLIT, WGMMA_ALL_ROWS, WGMMA_MAX_ROWS, bmm_fits, fits, k_splits,
                                          skinny_bmm, skinny_linear, wgmma_fits, wgmma_smem)
+from kdray.kernels.tree_verify_attention import SplitPartials, merge_split_partials
 
 needs_sm90a = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                  reason="the tensor-core kernel needs an sm_90 GPU")
@@ -238,6 +239,22 @@ def test_bmm_off_the_kernel_is_torch_bmm():
     assert not bmm_fits(x[0], w, out)  # x not [T, G, K]
     assert skinny_bmm(x, w, out) is out
     assert torch.equal(out, torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1))
+
+
+def test_bmm_off_the_kernel_merges_split_partials_first():
+    """Split partials that the kernel does not take (here on the CPU; on a GPU past MAX_ROWS tokens) are merged in
+    torch, then multiplied: an empty partial (sum 0, its values never written) adds nothing."""
+    gen = torch.Generator().manual_seed(3)
+    o = torch.randn(3, 2, 4, 256, generator=gen)  # [P, T, G, K]
+    o[1] = float("nan")
+    ml = torch.stack([torch.randn(3, 2, 4, generator=gen), torch.rand(3, 2, 4, generator=gen) + 0.5], -1)
+    ml[1] = torch.tensor([float("-inf"), 0.0])
+    w = torch.randn(4, 10, 256, generator=gen)
+    out = torch.empty(2, 4, 10)
+    assert skinny_bmm(SplitPartials(o, ml), w, out) is out
+    merged = merge_split_partials(SplitPartials(o, ml))
+    assert not merged.isnan().any()
+    assert torch.equal(out, torch.bmm(merged.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1))
 
 
 def _w_uv(heads, nope, v, L, dtype, g):
