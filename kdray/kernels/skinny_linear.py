@@ -196,13 +196,14 @@ def skinny_bmm(x: torch.Tensor | SplitPartials, w: torch.Tensor, out: torch.Tens
     """``out[t, g] = w[g] @ x[t, g]``: x ``[T, G, K]`` or the split partials of one (merged as loaded), w ``[G, R, K]``
     (rows contiguous; groups any multiple of K apart, as a view of a larger weight), out ``[T, G, R]``; returns
     out."""
-    xt = x.o[0] if isinstance(x, SplitPartials) else x
+    partials = x if isinstance(x, SplitPartials) else None
+    xt = x if partials is None else partials.o[0]  # [T, G, K]: x, or the first partial
     splits = kernel_splits(w.shape[0] * w.shape[1], w.shape[2], xt.device) if bmm_fits(xt, w, out) else 0
     if not splits:
-        return skinny_bmm_reference(merge_split_partials(x) if xt is not x else x, w, out)
+        return skinny_bmm_reference(x if partials is None else merge_split_partials(partials), w, out)
     G, R, K = w.shape
     _launch(xt, w, out, G * R, K, splits, group_rows=R, w_pitch=w.stride(0) // K, fp32_out=False, accumulate=False,
-            partials=x if xt is not x else None)
+            partials=partials)
     return out
 
 

@@ -9,9 +9,10 @@ Routed experts are stacked per layer, dense or INT4 (compressed-tensors pack-qua
 On a GPU the fused ops of ``kdray.kernels`` run the glue: one kernel writes the normalised latent and the
 roped key into the cache, ropes the queries and (at few tokens) absorbs them into the latent space, W_UV's product
 runs per head on ``skinny_bmm`` at a token or two (merging the attention's key-split partials as it loads them), the
-absorbed projections are otherwise batched GEMMs over ``[heads, T, *]`` views (no copies), routing is one kernel after a bf16 router GEMM with fp32 output (for INT4
-experts at few tokens, part of the MoE's first kernel), and at prefill sizes the norm before the MoE also writes its
-input in the order of k the INT4 expert GEMMs read (``MoE.input_k_order``), which spares the MoE a pass over x.
+absorbed projections are otherwise batched GEMMs over ``[heads, T, *]`` views (no copies), routing is one kernel
+after a bf16 router GEMM with fp32 output (for INT4 experts at few tokens, part of the MoE's first kernel), and at
+prefill sizes the norm before the MoE also writes its input in the order of k the INT4 expert GEMMs read
+(``MoE.input_k_order``), which spares the MoE a pass over x.
 """
 from __future__ import annotations
 
