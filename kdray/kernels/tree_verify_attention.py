@@ -87,7 +87,8 @@ class SplitPartials(NamedTuple):
     """An attention output left as the unmerged partials of its key splits (``mla_tree_attention(unmerged=True)``):
     ``o [P, T, H, Dv]``, each partial normalised by its own sum, and ``ml [P, T, H, 2]`` fp32, each partial's (max of
     its scaled scores in log2 units, sum); a partial of sum 0 holds no key and its ``o`` is not written. The output is
-    ``sum_p w_p o_p / sum_p w_p`` with ``w_p = sum_p 2^(max_p - the largest max)`` (``merge_split_partials``)."""
+    ``sum_p w_p o_p / sum_p w_p`` with ``w_p = l_p 2^(max_p - the largest max)``, ``l_p`` partial p's sum
+    (``merge_split_partials``)."""
     o: torch.Tensor
     ml: torch.Tensor
 

@@ -184,7 +184,7 @@ __device__ __forceinline__ void tva_mma_body(
 #if TVA_CLUSTER > 1  // a cluster with a used split stays whole (its idle splits hold no keys); one split runs alone
   if (used == 1 ? split > 0 : split / TVA_CLUSTER * TVA_CLUSTER >= used) {
     const int cl = split / TVA_CLUSTER;  // unmerged: an idle cluster's first block marks its partial empty
-    if (kUnmerged && split % TVA_CLUSTER == 0 && cl >= (used + TVA_CLUSTER - 1) / TVA_CLUSTER)
+    if (kUnmerged && split % TVA_CLUSTER == 0)  // (with one used split, split 0 is cluster 0's first block: it works)
       for (int r = tid; r < rows; r += NWG * 128) ws_ml[cl * rows_total + out_row(r)] = make_float2(-INFINITY, 0.f);
     return;
   }
